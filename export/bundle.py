@@ -1,0 +1,163 @@
+"""Write a bundle: target (and draft) decoder graphs, tokenizer files and manifest.json.
+
+Everything is written into a temporary sibling folder and renamed into place at the end, so a
+failed export never leaves a half-written bundle behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from tqdm import tqdm
+
+from specrt import __version__
+from specrt.errors import SpecrtError
+from specrt.export.decoder_graph import build_decoder_graph
+from specrt.export.loading import LoadedModel, load_model
+from specrt.export.modeling import DecoderLM
+from specrt.export.onnx_builder import OPSET
+from specrt.runtime.manifest import GraphEntry, Manifest, sha256_file
+
+PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module
+
+
+@dataclass
+class ExportOptions:
+    draft_layers: int | None = 4  # layer-truncated copy of the target as the default draft
+    draft_model: Path | None = None  # or any HF folder / GGUF sharing the target's tokenizer
+    check_parity: bool = True
+    progress: bool = True
+
+
+def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
+    """First `num_layers` decoder layers of the target, plus its final norm and LM head."""
+    if not 1 <= num_layers < module.cfg.num_layers:
+        raise SpecrtError(f"--draft-layers {num_layers} must be between 1 and {module.cfg.num_layers - 1} "
+                          f"(the target has {module.cfg.num_layers} layers)")
+    draft = DecoderLM(module.cfg.truncated(num_layers))
+    own = draft.state_dict()
+    draft.load_state_dict({k: v for k, v in module.state_dict().items() if k in own}, strict=True)
+    return draft.eval()
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    tv, dv = target.module.cfg.vocab_size, draft.module.cfg.vocab_size
+    if tv != dv:
+        raise SpecrtError(f"draft vocab {dv} != target vocab {tv} ({draft.source}): "
+                          "the drafter must share the target's tokenizer")
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise SpecrtError(f"draft tokenizer of {draft.source} differs from the target's: "
+                          "the drafter must share the target's tokenizer")
+
+
+def _save_graph(module: DecoderLM, folder: Path, role: str, source: str, progress: bool) -> GraphEntry:
+    folder.mkdir(parents=True)
+    with tqdm(total=module.cfg.num_layers, desc=f"export {role}", unit="layer", disable=not progress) as bar:
+        model = build_decoder_graph(module, name=role, progress=bar.update)
+    path = folder / "decoder.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="decoder.onnx.data", size_threshold=1024)
+    files = [path, folder / "decoder.onnx.data"]
+    return GraphEntry(role=role, file=f"{folder.name}/decoder.onnx", config=module.cfg,
+                      inputs=[i.name for i in model.graph.input], outputs=[o.name for o in model.graph.output],
+                      opset=OPSET, source=source, sha256={f.name: sha256_file(f) for f in files})
+
+
+def parity(module: DecoderLM, onnx_path: Path, prompt_len: int = 10, window: int = 6) -> dict:
+    """Max |Δlogits| between ONNX Runtime and the torch module for prefill, decode and a verify window."""
+    from specrt.runtime.backend_ort import OrtDecoder
+
+    cfg = module.cfg
+    capacity = prompt_len + window + 2
+    ort_model = OrtDecoder(onnx_path, cfg, capacity, threads=os.cpu_count() or 1)
+    kv = module.new_kv(1, capacity)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len + 1 + window), generator=torch.Generator().manual_seed(0))
+    report = {}
+    for name, start, end in (("prefill", 0, prompt_len), ("decode", prompt_len, prompt_len + 1),
+                             ("verify", prompt_len + 1, prompt_len + 1 + window)):
+        t = end - start
+        chunk, pos = ids[:, start:end], torch.arange(start, end)[None]
+        mask, past = torch.tril(torch.ones(t, t, dtype=torch.bool))[None], torch.tensor([start])
+        want, _ = module(chunk, pos, past, mask, kv)
+        got, _ = ort_model.run(chunk.numpy(), pos.numpy(), past.numpy(), mask.numpy(), np.arange(t)[None])
+        report[name] = float(np.abs(got - want.numpy()).max())
+    return report
+
+
+def export_bundle(model_path: Path, out: Path, opts: ExportOptions | None = None) -> Manifest:
+    """Export the model at `model_path` (and its draft) into the bundle folder `out`."""
+    opts = opts or ExportOptions()
+    out = Path(out).resolve()
+    steps = tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress, position=0)
+    steps.set_postfix_str("loading weights")
+    target = load_model(model_path)
+    target.hf_model = None
+    draft_module, draft_source = None, ""
+    if opts.draft_model is not None:
+        draft = load_model(opts.draft_model)
+        draft.hf_model = None
+        check_same_tokenizer(target, draft)
+        draft_module, draft_source = draft.module, str(opts.draft_model)
+    elif opts.draft_layers:
+        draft_module = truncated_draft(target.module, opts.draft_layers)
+        draft_source = f"{target.source} (first {opts.draft_layers} of {target.module.cfg.num_layers} layers)"
+    steps.update()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        steps.set_postfix_str("writing graphs")
+        graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress)}
+        if draft_module is not None:
+            graphs["draft"] = _save_graph(draft_module, tmp / "draft", "draft", draft_source, opts.progress)
+        steps.update()
+
+        steps.set_postfix_str("tokenizer")
+        tok = target.tokenizer
+        tok.save_pretrained(tmp / "tokenizer")
+        if not (tmp / "tokenizer" / "tokenizer.json").is_file():
+            raise SpecrtError(f"the tokenizer of {target.source} has no fast (tokenizer.json) form; specrt needs one")
+        tokenizer = {"file": "tokenizer/tokenizer.json", "chat_template": tok.chat_template or "",
+                     "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+        steps.update()
+
+        steps.set_postfix_str("parity check")
+        checks = {}
+        if opts.check_parity:
+            modules = {"target": target.module, "draft": draft_module}
+            for role, entry in graphs.items():
+                checks[role] = parity(modules[role], tmp / entry.file)
+                worst = max(checks[role].values())
+                if worst > PARITY_TOLERANCE:
+                    raise SpecrtError(f"{role} graph parity failed: max |Δlogits| {worst:.2e} > {PARITY_TOLERANCE} "
+                                      f"({checks[role]}); please report this model")
+        steps.update()
+
+        import onnxruntime
+        import transformers
+        versions = {"specrt": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+                    "torch": torch.__version__, "transformers": transformers.__version__}
+        manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=versions,
+                            artifacts={"parity_max_abs_logits": checks})
+        manifest.save(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.replace(old)
+            tmp.replace(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        steps.close()
+    return manifest

@@ -1,0 +1,1 @@
+"""Runtime: backends, drafters and the speculative step loop. Imports no torch."""

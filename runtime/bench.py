@@ -1,0 +1,133 @@
+"""Side-by-side benchmark: every drafter (and optional peers) on the same prompts, interleaved.
+
+Ratios are measured in one process after a warm-up; `speedup_vs_plain` is the median over prompts
+of (drafter tokens/s ÷ plain tokens/s), each prompt's tokens/s being the median over repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specrt.errors import SpecrtError
+from specrt.runtime.generate import Generator
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    prompt: str
+
+
+def load_prompts(path: Path) -> list[Prompt]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecrtError(f"prompts file {path} does not exist: pass a JSONL file with one {{\"prompt\": ...}} per line")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecrtError(f"{path}:{n}: not valid JSON ({e.msg}): each line must be a JSON object") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise SpecrtError(f"{path}:{n}: each line needs a string field \"prompt\"")
+        prompts.append(Prompt(str(obj.get("id", n)), str(obj.get("category", "default")), obj["prompt"]))
+    if not prompts:
+        raise SpecrtError(f"{path} holds no prompts")
+    return prompts
+
+
+# A peer runs the same prompt token ids with another engine: (ids, max_new_tokens) -> (new ids, seconds).
+Peer = Callable[[list[int], int], tuple[list[int], float]]
+
+
+def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str], max_new_tokens: int,
+              repeats: int = 1, peers: dict[str, Peer] | None = None, raw: bool = False,
+              progress: bool = True) -> dict:
+    peers = peers or {}
+    drafters = list(dict.fromkeys(["plain", *drafters]))  # plain is the reference for every ratio
+    for d in drafters:
+        gen.use(d)
+    encoded = {p.id: gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts}
+    # warm-up: every engine once on the first prompt
+    first = encoded[prompts[0].id]
+    for d in drafters:
+        gen.use(d).generate_ids(first, min(16, max_new_tokens))
+    for run in peers.values():
+        run(first, min(16, max_new_tokens))
+
+    rows, outputs = [], {}
+    total = repeats * len(prompts) * (len(drafters) + len(peers))
+    with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
+        for rep in range(repeats):
+            for p in prompts:
+                for d in drafters:
+                    res = gen.use(d).generate_ids(encoded[p.id], max_new_tokens)
+                    st = res.stats
+                    rows.append({"drafter": d, "id": p.id, "category": p.category, "repeat": rep,
+                                 "new_tokens": st.new_tokens, "seconds": round(st.seconds, 4),
+                                 "tokens_per_s": round(st.tokens_per_s, 3),
+                                 "mean_accepted_len": round(st.mean_accepted_len, 4),
+                                 "acceptance_rate": round(st.acceptance_rate, 4),
+                                 "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()}})
+                    outputs[(d, p.id, rep)] = res.token_ids
+                    bar.update()
+                for name, run in peers.items():
+                    ids, seconds = run(encoded[p.id], max_new_tokens)
+                    rows.append({"drafter": name, "id": p.id, "category": p.category, "repeat": rep,
+                                 "new_tokens": len(ids), "seconds": round(seconds, 4),
+                                 "tokens_per_s": round(len(ids) / seconds, 3) if seconds else 0.0,
+                                 "mean_accepted_len": None, "acceptance_rate": None})
+                    outputs[(name, p.id, rep)] = ids
+                    bar.update()
+    for r in rows:
+        r["identical_to_plain"] = outputs[(r["drafter"], r["id"], r["repeat"])] == outputs[("plain", r["id"], r["repeat"])]
+    return {"config": {"drafters": drafters, "peers": list(peers), "max_new_tokens": max_new_tokens,
+                       "repeats": repeats, "threads": gen.threads, "num_draft_tokens": gen.k,
+                       "prompts": len(prompts)},
+            "rows": rows, "summary": summarize(rows), "by_category": summarize(rows, by_category=True)}
+
+
+def _median_tps(rows: list[dict]) -> dict[tuple, float]:
+    per = defaultdict(list)
+    for r in rows:
+        per[(r["drafter"], r["id"])].append(r["tokens_per_s"])
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def summarize(rows: list[dict], by_category: bool = False) -> dict:
+    """Per drafter (or per drafter and category): median tokens/s, speedup vs plain, τ, identical k/n."""
+    tps = _median_tps(rows)
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["drafter"], r["category"]) if by_category else r["drafter"]].append(r)
+    out = {}
+    for key, rs in groups.items():
+        ids = sorted({r["id"] for r in rs})
+        name = key[0] if by_category else key
+        ratios = [tps[(name, i)] / tps[("plain", i)] for i in ids if tps.get(("plain", i))]
+        taus = [r["mean_accepted_len"] for r in rs if r["mean_accepted_len"] is not None]
+        entry = {"tokens_per_s_median": round(statistics.median(tps[(name, i)] for i in ids), 2),
+                 "speedup_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
+                 "mean_accepted_len": round(statistics.fmean(taus), 3) if taus else None,
+                 "identical": f"{sum(r['identical_to_plain'] for r in rs)}/{len(rs)}"}
+        out["/".join(key) if by_category else key] = entry
+    return out
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>10}"]
+    for name, s in summary.items():
+        sp = f"{s['speedup_vs_plain']:.2f}" if s["speedup_vs_plain"] is not None else "-"
+        tau = f"{s['mean_accepted_len']:.2f}" if s["mean_accepted_len"] is not None else "-"
+        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>10}")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""The bundle manifest: the one description of a bundle that every downstream part reads.
+
+A bundle is a folder complete on its own: ONNX graphs with external weights, tokenizer files and
+`manifest.json`. Nothing downstream guesses from file names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+from specrt.runtime.config import DecoderConfig
+
+MANIFEST = "manifest.json"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class GraphEntry:
+    """One exported graph: its role (target, draft, ...), file, config and I/O names."""
+
+    role: str
+    file: str
+    config: DecoderConfig
+    inputs: list[str]
+    outputs: list[str]
+    opset: int
+    source: str = ""
+    sha256: dict[str, str] = field(default_factory=dict)  # file name -> digest
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GraphEntry:
+        return cls(**{**d, "config": DecoderConfig.from_dict(d["config"])})
+
+
+@dataclass
+class Manifest:
+    graphs: dict[str, GraphEntry]
+    tokenizer: dict  # {"file", "chat_template", "bos_token", "eos_token", "add_bos_token"}
+    versions: dict
+    schema_version: int = SCHEMA_VERSION
+    artifacts: dict = field(default_factory=dict)  # engines built from the graphs, by backend
+
+    @property
+    def target(self) -> GraphEntry:
+        return self.graphs["target"]
+
+    def to_json(self) -> str:
+        d = {"schema_version": self.schema_version, "versions": self.versions, "tokenizer": self.tokenizer,
+             "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts}
+        return json.dumps(d, indent=2)
+
+    def save(self, bundle: Path) -> None:
+        """Write manifest.json atomically (temporary file, then rename)."""
+        tmp = bundle / (MANIFEST + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(bundle / MANIFEST)
+
+    @classmethod
+    def load(cls, bundle: str | Path) -> Manifest:
+        bundle = Path(bundle)
+        path = bundle / MANIFEST
+        if not bundle.is_dir():
+            raise SpecrtError(f"bundle {bundle} does not exist: run `specrt export -o {bundle}` (or `make export`) first")
+        if not path.is_file():
+            raise SpecrtError(f"{path} is missing: {bundle} is not a complete specrt bundle; export it again")
+        try:
+            d = json.loads(path.read_text())
+            if d.get("schema_version") != SCHEMA_VERSION:
+                raise SpecrtError(f"{path} has schema_version {d.get('schema_version')}, this specrt reads "
+                                  f"{SCHEMA_VERSION}: export the bundle again")
+            graphs = {k: GraphEntry.from_dict(g) for k, g in d["graphs"].items()}
+            return cls(graphs=graphs, tokenizer=d["tokenizer"], versions=d["versions"],
+                       schema_version=d["schema_version"], artifacts=d.get("artifacts", {}))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise SpecrtError(f"{path} is corrupt ({type(e).__name__}: {e}): export the bundle again") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,50 @@
+"""`specrt bench`: drafters (and peers) side by side on the same prompts, in one process."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from specrt.cli.options import bundle_argument, generator_kwargs, resolve_bundle, runtime_options
+
+
+def default_prompts() -> Path:
+    return Path(str(resources.files("specrt") / "data" / "bench_prompts.jsonl"))
+
+
+@click.command("bench")
+@bundle_argument
+@click.option("--prompts", type=click.Path(path_type=Path), default=None,
+              help="JSONL file, one {\"prompt\", \"category\"?, \"id\"?} per line. Default: specrt's mixed set.")
+@click.option("--drafters", default=None, help="Comma-separated drafters. Default: every drafter the bundle has.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--peers", "peer_names", default="", help="Comma-separated peers to run beside specrt: transformers.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@runtime_options
+def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, raw, json_out, **runtime):
+    """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
+    from specrt.peers import make_peers
+    from specrt.runtime.bench import format_table, load_prompts, run_bench
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(resolve_bundle(bundle), drafter="plain", **generator_kwargs(**runtime))
+    if drafters:
+        names = [d.strip() for d in drafters.split(",") if d.strip()]
+    else:
+        names = ["plain", "ngram"] + (["draft"] if "draft" in gen.manifest.graphs else [])
+    peers = make_peers([p.strip() for p in peer_names.split(",") if p.strip()], gen.manifest, gen.threads)
+    result = run_bench(gen, load_prompts(prompts or default_prompts()), names, max_new_tokens, repeats, peers, raw)
+    click.echo(format_table(result["summary"]))
+    click.echo("\nby category:")
+    click.echo(format_table(result["by_category"]))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_out.with_name(json_out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(json_out)
+        click.echo(f"results written: {json_out}")

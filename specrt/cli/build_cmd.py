@@ -1,0 +1,33 @@
+"""`specrt build`: backend artifacts from a bundle's ONNX graphs (ONNX Runtime; TensorRT where installed)."""
+
+from __future__ import annotations
+
+import click
+
+from specrt.cli.options import bundle_argument, resolve_bundle
+
+
+@click.command("build")
+@bundle_argument
+@click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True,
+              help="auto: ONNX Runtime artifacts, plus TensorRT engines when TensorRT is installed.")
+@click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", show_default=True,
+              help="TensorRT precision.")
+def command(bundle, backend, precision):
+    """Build engines for BUNDLE and record them in its manifest."""
+    from specrt.engines.ort import build_ort
+    from specrt.engines.trt import INSTALL_HINT, build_trt, tensorrt_available
+    from specrt.runtime.manifest import Manifest
+
+    path = resolve_bundle(bundle)
+    manifest = Manifest.load(path)
+    if backend in ("auto", "ort"):
+        manifest.artifacts["onnxruntime"] = build_ort(path, manifest)
+        manifest.save(path)
+        for role, g in manifest.artifacts["onnxruntime"]["graphs"].items():
+            click.echo(f"onnxruntime: {role} -> {g['file']} ({g['seconds']}s)")
+    if backend == "trt" or (backend == "auto" and tensorrt_available()):
+        manifest.artifacts["tensorrt"] = build_trt(path, manifest, precision)
+        manifest.save(path)
+    elif backend == "auto":
+        click.echo(f"note: {INSTALL_HINT}.\nnote: built the ONNX Runtime artifacts only.")

@@ -1,0 +1,37 @@
+"""`specrt export`: a Hugging Face folder or GGUF (default: the embedded model) to an ONNX bundle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specrt.paths import default_bundle
+
+
+@click.command("export")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Hugging Face model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Bundle folder to write. Default: the default bundle path ($SPECRT_HOME/bundles/...).")
+@click.option("--draft-layers", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Export a layer-truncated copy of the target (first N layers) as the draft model; 0: none.")
+@click.option("--draft-model", type=click.Path(path_type=Path), default=None,
+              help="Export this model (same tokenizer) as the draft instead of a truncated copy.")
+@click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
+def command(model, output, draft_layers, draft_model, no_parity_check):
+    """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.default_model import default_model_path
+
+    model = model if model is not None else default_model_path()
+    out = output if output is not None else default_bundle()
+    opts = ExportOptions(draft_layers=draft_layers or None, draft_model=draft_model,
+                         check_parity=not no_parity_check)
+    manifest = export_bundle(model, out, opts)
+    checks = manifest.artifacts.get("parity_max_abs_logits", {})
+    for role, g in manifest.graphs.items():
+        worst = max(checks[role].values()) if role in checks else None
+        note = f", parity max |Δlogits| {worst:.1e}" if worst is not None else ""
+        click.echo(f"{role}: {g.file} ({g.config.num_layers} layers{note})")
+    click.echo(f"bundle written: {out}")

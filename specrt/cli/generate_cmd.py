@@ -1,0 +1,57 @@
+"""`specrt generate`: greedy generation with a drafter; streams text or prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from specrt.cli.options import bundle_argument, generator_kwargs, resolve_bundle, runtime_options
+
+
+@click.command("generate")
+@bundle_argument
+@click.option("--prompt", required=True, help="The user prompt (chat-templated unless --raw).")
+@click.option("--drafter", default="plain", show_default=True, help="plain, ngram or draft.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@runtime_options
+def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, **runtime):
+    """Generate text from BUNDLE (default: the bundle `make export build` wrote)."""
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(resolve_bundle(bundle), drafter=drafter, **generator_kwargs(**runtime))
+    ids = gen.tokenizer.encode_prompt(prompt, raw)
+    stream = gen.stream(ids, max_new_tokens)
+    out: list[int] = []
+    shown = ""
+    while True:
+        try:
+            out.extend(next(stream))
+        except StopIteration as stop:
+            result = stop.value
+            break
+        if not as_json:
+            text = gen.tokenizer.decode(out)
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    text = gen.tokenizer.decode(result.token_ids)
+    if as_json:
+        s = result.stats.to_dict()
+        stats = {k: s[k] for k in ("new_tokens", "seconds", "tokens_per_s", "steps", "mean_accepted_len",
+                                   "acceptance_rate")}
+        stats["detail"] = {k: v for k, v in s.items() if k not in stats}
+        click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": drafter,
+                               "finish_reason": result.finish_reason, "stats": stats}))
+    else:
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+        st = result.stats
+        click.echo("")
+        click.echo(f"[{drafter}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
+                   f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}",
+                   err=True)

@@ -1,0 +1,22 @@
+"""Where specrt keeps the default model and bundle (overridable with $SPECRT_HOME)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_BUNDLE_NAME = "smollm2-135m-instruct"
+
+
+def home() -> Path:
+    """Root of specrt's working files: $SPECRT_HOME, else ./artifacts in the current directory."""
+    return Path(os.environ.get("SPECRT_HOME", "artifacts")).resolve()
+
+
+def default_bundle() -> Path:
+    """The bundle `make export build` writes and `specrt generate` uses when none is named."""
+    return home() / "bundles" / DEFAULT_BUNDLE_NAME
+
+
+def models_dir() -> Path:
+    return home() / "models"
