@@ -6,6 +6,7 @@ with the same ONNX Runtime version; hardware-specific layout passes still run at
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,18 +21,20 @@ def build_ort(bundle: Path, manifest: Manifest, threads: int = 2) -> dict:
     for role, graph in manifest.graphs.items():
         src = bundle / graph.file
         dst = src.with_name(src.stem + ".ort-opt.onnx")
-        tmp = dst.with_name(dst.name + ".tmp")
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        so.optimized_model_filepath = str(tmp)
-        so.log_severity_level = 3
-        so.intra_op_num_threads = threads
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                    dst.name + ".data.tmp")
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        data = dst.name + ".data"
         t0 = time.perf_counter()
-        ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-        (tmp.parent / (dst.name + ".data.tmp")).replace(dst.with_name(dst.name + ".data"))
-        tmp.replace(dst)
+        # written under their final names in a scratch folder (the graph refers to its data file by
+        # name), then moved into place: a failed build leaves nothing half-written
+        with tempfile.TemporaryDirectory(dir=src.parent) as scratch:
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            so.optimized_model_filepath = str(Path(scratch) / dst.name)
+            so.log_severity_level = 3
+            so.intra_op_num_threads = threads
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+            (Path(scratch) / data).replace(dst.with_name(data))
+            (Path(scratch) / dst.name).replace(dst)
         entry["graphs"][role] = {"file": str(dst.relative_to(bundle)), "seconds": round(time.perf_counter() - t0, 2)}
     return entry

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,64 +91,15 @@ def parity(module: DecoderLM, onnx_path: Path, prompt_len: int = 10, window: int
     return report
 
 
-def export_bundle(model_path: Path, out: Path, opts: ExportOptions | None = None) -> Manifest:
-    """Export the model at `model_path` (and its draft) into the bundle folder `out`."""
-    opts = opts or ExportOptions()
-    out = Path(out).resolve()
-    steps = tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress, position=0)
-    steps.set_postfix_str("loading weights")
-    target = load_model(model_path)
-    target.hf_model = None
-    draft_module, draft_source = None, ""
-    if opts.draft_model is not None:
-        draft = load_model(opts.draft_model)
-        draft.hf_model = None
-        check_same_tokenizer(target, draft)
-        draft_module, draft_source = draft.module, str(opts.draft_model)
-    elif opts.draft_layers:
-        draft_module = truncated_draft(target.module, opts.draft_layers)
-        draft_source = f"{target.source} (first {opts.draft_layers} of {target.module.cfg.num_layers} layers)"
-    steps.update()
-
+@contextmanager
+def atomic_dir(out: Path):
+    """Yield a temporary sibling folder; on success it replaces `out`, on failure it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        tmp.mkdir()
-        steps.set_postfix_str("writing graphs")
-        graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress)}
-        if draft_module is not None:
-            graphs["draft"] = _save_graph(draft_module, tmp / "draft", "draft", draft_source, opts.progress)
-        steps.update()
-
-        steps.set_postfix_str("tokenizer")
-        tok = target.tokenizer
-        tok.save_pretrained(tmp / "tokenizer")
-        if not (tmp / "tokenizer" / "tokenizer.json").is_file():
-            raise SpecrtError(f"the tokenizer of {target.source} has no fast (tokenizer.json) form; specrt needs one")
-        tokenizer = {"file": "tokenizer/tokenizer.json", "chat_template": tok.chat_template or "",
-                     "bos_token": tok.bos_token, "eos_token": tok.eos_token}
-        steps.update()
-
-        steps.set_postfix_str("parity check")
-        checks = {}
-        if opts.check_parity:
-            modules = {"target": target.module, "draft": draft_module}
-            for role, entry in graphs.items():
-                checks[role] = parity(modules[role], tmp / entry.file)
-                worst = max(checks[role].values())
-                if worst > PARITY_TOLERANCE:
-                    raise SpecrtError(f"{role} graph parity failed: max |Δlogits| {worst:.2e} > {PARITY_TOLERANCE} "
-                                      f"({checks[role]}); please report this model")
-        steps.update()
-
-        import onnxruntime
-        import transformers
-        versions = {"specrt": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-                    "torch": torch.__version__, "transformers": transformers.__version__}
-        manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=versions,
-                            artifacts={"parity_max_abs_logits": checks})
-        manifest.save(tmp)
+        yield tmp
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.replace(old)
@@ -158,6 +110,65 @@ def export_bundle(model_path: Path, out: Path, opts: ExportOptions | None = None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        steps.close()
+
+
+def _save_tokenizer(target: LoadedModel, folder: Path) -> dict:
+    tok = target.tokenizer
+    tok.save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise SpecrtError(f"the tokenizer of {target.source} has no fast (tokenizer.json) form; specrt needs one")
+    return {"file": f"{folder.name}/tokenizer.json", "chat_template": tok.chat_template or "",
+            "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+
+
+def _versions() -> dict:
+    import onnxruntime
+    import transformers
+
+    return {"specrt": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | None = None) -> Manifest:
+    """Export `model` (a path, or an already loaded model) and its draft into the bundle folder `out`."""
+    opts = opts or ExportOptions()
+    out = Path(out).resolve()
+    with tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress) as steps:
+        steps.set_postfix_str("loading weights")
+        target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
+        draft_module, draft_source = None, ""
+        if opts.draft_model is not None:
+            draft = load_model(opts.draft_model, keep_hf=False)
+            check_same_tokenizer(target, draft)
+            draft_module, draft_source = draft.module, str(opts.draft_model)
+        elif opts.draft_layers:
+            draft_module = truncated_draft(target.module, opts.draft_layers)
+            draft_source = f"{target.source} (first {opts.draft_layers} of {target.module.cfg.num_layers} layers)"
+        steps.update()
+
+        with atomic_dir(out) as tmp:
+            steps.set_postfix_str("writing graphs")
+            graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress)}
+            if draft_module is not None:
+                graphs["draft"] = _save_graph(draft_module, tmp / "draft", "draft", draft_source, opts.progress)
+            steps.update()
+
+            steps.set_postfix_str("tokenizer")
+            tokenizer = _save_tokenizer(target, tmp / "tokenizer")
+            steps.update()
+
+            steps.set_postfix_str("parity check")
+            checks = {}
+            if opts.check_parity:
+                modules = {"target": target.module, "draft": draft_module}
+                for role, entry in graphs.items():
+                    checks[role] = parity(modules[role], tmp / entry.file)
+                    worst = max(checks[role].values())
+                    if worst > PARITY_TOLERANCE:
+                        raise SpecrtError(f"{role} graph parity failed: max |Δlogits| {worst:.2e} > "
+                                          f"{PARITY_TOLERANCE} ({checks[role]}); please report this model")
+            steps.update()
+            manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
+                                artifacts={"parity_max_abs_logits": checks})
+            manifest.save(tmp)
     return manifest

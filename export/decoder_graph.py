@@ -3,13 +3,15 @@
 One graph serves prefill, single-token decode and chain/tree verification (see modeling.py for
 the contract). Per layer:
 
-    x ─► RMSNorm ─► q,k,v proj ─► (qk-norm) ─► RoPE(position_ids)
-                                   k,v ─► TensorScatter(past_kv, at past_len) ═► present_kv (in place)
-         present_kv[:, :, :L] ─► scores = q·kᵀ/√d + mask(past_len, tree_mask) ─► softmax ─► ·v
-    x += o_proj(attn);  x += down(silu(gate(h)) * up(h))
+    x ─► RMSNorm ─► qkv_proj (one GEMM, 1/√d folded into q) ─► (qk-norm) ─► RoPE(position_ids)
+                    k,v ─► TensorScatter(past_kv, at past_len) ═► present_kv (in place)
+         present_kv[:, :, :L] ─► scores = q·kᵀ + mask(past_len, tree_mask) ─► softmax ─► ·v
+    x += o_proj(attn);  x += down(silu(gate) * up), gate|up from one GEMM
 
 L = max(past_len) + T: attention reads only the valid prefix plus the new window. Query heads are
-grouped per KV head ([B, kv_heads, groups*T, d]) so K/V are never repeated for GQA.
+grouped per KV head ([B, kv_heads, groups*T, d]) so K/V are never repeated for GQA. Projections are
+fused (q|k|v, gate|up) to cut the node count: on a 2-core CPU, per-node overhead is a visible
+share of a decode step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def _np(t) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
+def _norm(module) -> tuple[np.ndarray, float]:
+    return _np(module.weight), module.eps
+
+
 class _DecoderGraph:
     def __init__(self, module: DecoderLM, name: str):
         self.m = module
@@ -32,22 +38,30 @@ class _DecoderGraph:
         self.g = GraphBuilder(name)
 
     # ── small blocks ────────────────────────────────────────────────────────────────────────
-    def linear(self, x: str, layer, name: str) -> str:
+    def linear(self, x: str, layers: list, name: str, scale: np.ndarray | None = None) -> str:
+        """x @ W (+ b) for one or several projections fused along the output axis (one GEMM).
+
+        `scale` multiplies the output columns (folded into W and b at export).
+        """
         g = self.g
         with g.scope(name):
-            w = g.weight(f"{self._prefix}.{name}.weight", _np(layer.weight).T)
-            y = g.op("MatMul", x, w)
-            if layer.bias is not None:
-                y = g.op("Add", y, g.weight(f"{self._prefix}.{name}.bias", _np(layer.bias)))
+            w = np.concatenate([_np(layer.weight) for layer in layers], axis=0)
+            b = [_np(layer.bias) for layer in layers if layer.bias is not None]
+            b = np.concatenate(b) if b else None
+            if scale is not None:
+                w = w * scale[:, None]
+                b = b * scale if b is not None else None
+            y = g.op("MatMul", x, g.weight(f"{self._prefix}.{name}.weight", w.T))
+            if b is not None:
+                y = g.op("Add", y, g.weight(f"{self._prefix}.{name}.bias", b))
         return y
 
-    def rms_norm(self, x: str, norm, name: str) -> str:
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
         g = self.g
         with g.scope(name):
             var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), g.const([-1]), keepdims=1)
-            denom = g.op("Sqrt", g.op("Add", var, g.const(norm.eps, np.float32)))
-            y = g.op("Div", x, denom)
-            return g.op("Mul", y, g.weight(f"{self._prefix}.{name}.weight", _np(norm.weight)))
+            denom = g.op("Sqrt", g.op("Add", var, g.const(eps, np.float32)))
+            return g.op("Mul", g.op("Div", x, denom), g.weight(f"{self._prefix}.{name}.weight", weight))
 
     def rope(self, x: str, cos: str, sin: str) -> str:
         g = self.g
@@ -71,7 +85,8 @@ class _DecoderGraph:
             return g.op("Unsqueeze", cos, g.const([1])), g.op("Unsqueeze", sin, g.const([1]))
 
     def mask(self, past_len: str, tree_mask: str, t: str, total: str) -> str:
-        """Additive mask [B, 1, 1, T, L]; see modeling.attention_mask for the rule."""
+        """Additive mask [B, 1, groups*T, L] (rows repeated per query head of a KV group);
+        see modeling.attention_mask for the rule."""
         g = self.g
         with g.scope("mask"):
             j = g.op("Range", g.const(0), total, g.const(1))
@@ -84,44 +99,45 @@ class _DecoderGraph:
             seen = g.op("And", g.op("GatherElements", tree_mask, idx, axis=2), g.op("Unsqueeze", in_new, one))
             allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)
             add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
-            return g.op("Unsqueeze", add, g.const([1, 2]))
+            return g.op("Unsqueeze", g.op("Tile", add, g.const([1, self.cfg.kv_groups, 1])), one)
 
     # ── attention and layers ────────────────────────────────────────────────────────────────
     def attention(self, i: int, h: str, cos: str, sin: str, mask: str, past_len: str, total_1d: str) -> str:
         g, cfg, attn = self.g, self.cfg, self.m.model.layers[i].self_attn
-        nh, kvh, d, grp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scale = d**-0.5  # folded into the q projection (or into q_norm's weight when there is one)
         with g.scope("self_attn"):
-            q = g.op("Reshape", self.linear(h, attn.q_proj, "q_proj"), g.const([0, 0, nh, d]))
-            k = g.op("Reshape", self.linear(h, attn.k_proj, "k_proj"), g.const([0, 0, kvh, d]))
-            v = g.op("Reshape", self.linear(h, attn.v_proj, "v_proj"), g.const([0, 0, kvh, d]))
-            if cfg.qk_norm:
-                q = self.rms_norm(q, attn.q_norm, "q_norm")
-                k = self.rms_norm(k, attn.k_norm, "k_norm")
-            q = self.rope(g.op("Transpose", q, perm=[0, 2, 1, 3]), cos, sin)
-            k = self.rope(g.op("Transpose", k, perm=[0, 2, 1, 3]), cos, sin)
-            v = g.op("Transpose", v, perm=[0, 2, 1, 3])
+            col_scale = None if cfg.qk_norm else np.r_[np.full(nh * d, scale), np.ones(2 * kvh * d)].astype(np.float32)
+            qkv = self.linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], "qkv_proj", col_scale)
+            qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([0, 0, nh + 2 * kvh, d])), perm=[0, 2, 1, 3])
+            qk, v = g.op("Split", qkv, g.const([nh + kvh, kvh]), axis=1, outputs=2)
+            if cfg.qk_norm:  # per-head RMSNorm, q heads then k heads: weights stacked [nh+kvh, 1, d]
+                w = np.concatenate([np.tile(_np(attn.q_norm.weight) * scale, (nh, 1)),
+                                    np.tile(_np(attn.k_norm.weight), (kvh, 1))])[:, None, :]
+                qk = self.rms_norm(qk, w, attn.q_norm.eps, "qk_norm")
+            q, k = g.op("Split", self.rope(qk, cos, sin), g.const([nh, kvh]), axis=1, outputs=2)
             present_k, present_v = f"present_key.{i}", f"present_value.{i}"
             g.op("TensorScatter", f"past_key.{i}", k, past_len, axis=2, name="k_scatter", out_names=[present_k])
             g.op("TensorScatter", f"past_value.{i}", v, past_len, axis=2, name="v_scatter", out_names=[present_v])
             zero, axis2 = g.const([0]), g.const([2])
             keys = g.op("Slice", present_k, zero, total_1d, axis2)
             values = g.op("Slice", present_v, zero, total_1d, axis2)
+            # GQA: [B, nh, T, d] -> [B, kvh, groups*T, d], so each KV head serves its query group at once
             qg = g.op("Reshape", q, g.const([0, kvh, -1, d]))
             scores = g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-            scores = g.op("Mul", scores, g.const(d**-0.5, np.float32))
-            scores = g.op("Reshape", scores, g.op("Concat", g.const([0, kvh, grp, -1]), total_1d, axis=0))
             probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
-            probs = g.op("Reshape", probs, g.op("Concat", g.const([0, kvh, -1]), total_1d, axis=0))
             out = g.op("Reshape", g.op("MatMul", probs, values), g.const([0, nh, -1, d]))
             out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
-            return self.linear(out, attn.o_proj, "o_proj")
+            return self.linear(out, [attn.o_proj], "o_proj")
 
     def mlp(self, i: int, h: str) -> str:
         g, mlp = self.g, self.m.model.layers[i].mlp
         with g.scope("mlp"):
-            gate = self.linear(h, mlp.gate_proj, "gate_proj")
+            inter = self.cfg.intermediate_size
+            gate, up = g.op("Split", self.linear(h, [mlp.gate_proj, mlp.up_proj], "gate_up_proj"),
+                            g.const([inter, inter]), axis=-1, outputs=2)
             act = g.op("Mul", gate, g.op("Sigmoid", gate))
-            return self.linear(g.op("Mul", act, self.linear(h, mlp.up_proj, "up_proj")), mlp.down_proj, "down_proj")
+            return self.linear(g.op("Mul", act, up), [mlp.down_proj], "down_proj")
 
     def build(self, progress=None):
         g, cfg = self.g, self.cfg
@@ -147,14 +163,14 @@ class _DecoderGraph:
             for i, layer in enumerate(self.m.model.layers):
                 self._prefix = f"model.layers.{i}"
                 with g.scope(f"layers.{i}"):
-                    x = g.op("Add", x, self.attention(i, self.rms_norm(x, layer.input_layernorm, "input_layernorm"),
-                                                      cos, sin, mask, past_len, total_1d))
-                    x = g.op("Add", x, self.mlp(i, self.rms_norm(x, layer.post_attention_layernorm,
-                                                                 "post_attention_layernorm")))
+                    h = self.rms_norm(x, *_norm(layer.input_layernorm), "input_layernorm")
+                    x = g.op("Add", x, self.attention(i, h, cos, sin, mask, past_len, total_1d))
+                    h = self.rms_norm(x, *_norm(layer.post_attention_layernorm), "post_attention_layernorm")
+                    x = g.op("Add", x, self.mlp(i, h))
                 if progress:
                     progress(1)
             self._prefix = "model"
-            hidden = self.rms_norm(x, self.m.model.norm, "norm")
+            hidden = self.rms_norm(x, *_norm(self.m.model.norm), "norm")
         with g.scope("lm_head"):
             idx = g.op("Expand", g.op("Unsqueeze", logits_index, g.const([-1])), g.const([1, 1, cfg.hidden_size]))
             rows = g.op("GatherElements", hidden, idx, axis=1)

@@ -125,8 +125,11 @@ def module_from_hf(hf_model, eos_token_ids: tuple[int, ...] = ()) -> DecoderLM:
     return module.eval()
 
 
-def load_model(path: str | Path) -> LoadedModel:
-    """Load a Hugging Face folder or .gguf file (dequantized to fp32) into a `LoadedModel`."""
+def load_model(path: str | Path, keep_hf: bool = True) -> LoadedModel:
+    """Load a Hugging Face folder or .gguf file (dequantized to fp32) into a `LoadedModel`.
+
+    `keep_hf` keeps the transformers model too (for parity checks and the transformers peer).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = Path(path)
@@ -146,4 +149,5 @@ def load_model(path: str | Path) -> LoadedModel:
     except Exception:
         gen_cfg = None
     module = module_from_hf(hf_model, _eos_ids(hf_config, gen_cfg, tokenizer))
-    return LoadedModel(module=module, tokenizer=tokenizer, source=str(path), hf_config=hf_config, hf_model=hf_model)
+    return LoadedModel(module=module, tokenizer=tokenizer, source=str(path), hf_config=hf_config,
+                       hf_model=hf_model if keep_hf else None)

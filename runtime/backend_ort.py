@@ -36,7 +36,7 @@ class OrtDecoder:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own Fail/InvalidGraph types
             raise SpecrtError(f"cannot load ONNX graph {path}: {str(e).splitlines()[0][:300]} — export the bundle again") from None
-        self.cfg, self.capacity, self.batch = cfg, capacity, batch
+        self.path, self.cfg, self.capacity, self.batch = Path(path), cfg, capacity, batch
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.kv = [np.zeros(shape, np.float32) for _ in range(2 * cfg.num_layers)]
         self.binding = self.session.io_binding()

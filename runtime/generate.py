@@ -105,7 +105,7 @@ class Generator:
         self.k = int(num_draft_tokens)
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
-        self.target = OrtDecoder(self.bundle / self.manifest.target.file, cfg, self.capacity, threads)
+        self.target = OrtDecoder(self.manifest.onnx_path(self.bundle, "target"), cfg, self.capacity, threads)
         self.threads = threads
         self.drafter_options = drafter_options
         self._drafters: dict = {}

@@ -53,6 +53,13 @@ class Manifest:
     def target(self) -> GraphEntry:
         return self.graphs["target"]
 
+    def onnx_path(self, bundle: Path, role: str) -> Path:
+        """The graph to load for `role` on ONNX Runtime: the `specrt build` artifact if there is one."""
+        built = self.artifacts.get("onnxruntime", {}).get("graphs", {}).get(role)
+        if built and (Path(bundle) / built["file"]).is_file():
+            return Path(bundle) / built["file"]
+        return Path(bundle) / self.graphs[role].file
+
     def to_json(self) -> str:
         d = {"schema_version": self.schema_version, "versions": self.versions, "tokenizer": self.tokenizer,
              "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts}

@@ -27,7 +27,8 @@ class DraftModel:
             raise SpecrtError(f"draft vocab {entry.config.vocab_size} != target vocab {target.config.vocab_size}: "
                               "the drafter must share the target's tokenizer")
         self.max_k = int(ctx.options.get("max_draft", 16))
-        self.model = OrtDecoder(ctx.bundle / entry.file, entry.config, ctx.capacity + self.max_k, ctx.threads)
+        self.model = OrtDecoder(ctx.manifest.onnx_path(ctx.bundle, "draft"), entry.config, ctx.capacity + self.max_k,
+                                ctx.threads)
         self.cached: list[int] = []  # tokens whose K/V rows are valid in the draft cache
 
     def _forward(self, new: list[int]) -> int:

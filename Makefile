@@ -1,0 +1,64 @@
+# specrt — two commands on a fresh machine:
+#   make run    set up, export + build the default model's bundle, generate with speculative decoding
+#   make test   set up and run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPECRT := $(VENV)/bin/specrt
+# This workplace ships a CPU build of torch 2.13.0 on local disk; elsewhere set TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+export SPECRT_HOME ?= $(CURDIR)/artifacts
+BUNDLE ?= $(SPECRT_HOME)/bundles/smollm2-135m-instruct
+PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate on Tuesday.
+DRAFTER ?= ngram
+THREADS ?= 2
+SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
+
+.PHONY: setup export build run test bench lint doctor clean distclean help
+
+help:
+	@echo "make run | setup | export | build | test | bench | lint | doctor | clean | distclean"
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[export,dev]"
+	touch $@
+
+$(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/.installed
+	$(PY) -c "from specrt.export.default_model import default_model_path; print(default_model_path())"
+
+setup: $(VENV)/.installed $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+$(BUNDLE)/manifest.json: $(SOURCES) | setup
+	$(SPECRT) export -o $(BUNDLE)
+
+export: $(BUNDLE)/manifest.json
+
+build: export
+	$(SPECRT) build $(BUNDLE)
+
+run: build
+	$(SPECRT) generate $(BUNDLE) --drafter $(DRAFTER) --threads $(THREADS) --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: build
+	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers transformers \
+		--json $(SPECRT_HOME)/bench/latest.json
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+doctor: setup
+	$(SPECRT) doctor
+
+clean:
+	rm -rf $(SPECRT_HOME)/bundles $(SPECRT_HOME)/bench .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) $(SPECRT_HOME)

@@ -1,0 +1,82 @@
+"""KV buffers: written in place, rolled back by moving past_len, bounded by the capacity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.export.bundle import ExportOptions, export_bundle
+from specrt.runtime.backend_ort import OrtDecoder
+from specrt.runtime.generate import Generator
+from tests.helpers import save_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", tokenizer_dir,
+                              vocab_size=49152, max_position_embeddings=64)
+    out = tmp_path_factory.mktemp("tinyb") / "bundle"
+    export_bundle(folder, out, ExportOptions(draft_layers=1, progress=False))
+    return out
+
+
+def causal(t):
+    return np.tril(np.ones((t, t), bool))[None]
+
+
+def test_kv_is_written_in_place_into_the_preallocated_buffers(tiny_bundle):
+    gen = Generator(tiny_bundle, max_seq_len=16)
+    dec: OrtDecoder = gen.target
+    before = [buf.__array_interface__["data"][0] for buf in dec.kv]
+    dec.run(np.array([[5, 6, 7]]), np.arange(3)[None], np.array([0]), causal(3), np.array([[2]]))
+    assert [buf.__array_interface__["data"][0] for buf in dec.kv] == before
+    assert all(np.abs(buf[0, :, :3]).sum() > 0 for buf in dec.kv), "new rows were not written"
+    assert all(np.abs(buf[0, :, 3:]).sum() == 0 for buf in dec.kv), "rows past the window were touched"
+
+
+def test_rollback_by_moving_past_len_reproduces_a_fresh_pass(tiny_bundle):
+    gen = Generator(tiny_bundle, max_seq_len=16)
+    dec = gen.target
+    dec.run(np.array([[5, 6, 7]]), np.arange(3)[None], np.array([0]), causal(3), np.array([[2]]))
+    # a rejected window of 3 tokens at rows 3..5 ...
+    dec.run(np.array([[9, 9, 9]]), np.arange(3, 6)[None], np.array([3]), causal(3), np.array([[0]]))
+    # ... rolled back: the next pass at past_len 3 must not see the stale rows
+    got, _ = dec.run(np.array([[8, 1]]), np.arange(3, 5)[None], np.array([3]), causal(2), np.array([[0, 1]]))
+    fresh = Generator(tiny_bundle, max_seq_len=16).target
+    want, _ = fresh.run(np.array([[5, 6, 7, 8, 1]]), np.arange(5)[None], np.array([0]), causal(5), np.array([[3, 4]]))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_capacity_ends_generation_with_length(tiny_bundle):
+    for drafter in ("plain", "ngram", "draft"):
+        gen = Generator(tiny_bundle, drafter=drafter, max_seq_len=12, num_draft_tokens=4)
+        res = gen.generate_ids([3, 4, 5, 3, 4], max_new_tokens=100)
+        assert res.finish_reason == "length"
+        assert len(res.token_ids) == 12 + 1 - 5, drafter  # every KV row used, then one last token
+        plain = Generator(tiny_bundle, max_seq_len=12).generate_ids([3, 4, 5, 3, 4], 100)
+        assert res.token_ids == plain.token_ids
+
+
+def test_prompt_beyond_capacity_is_refused(tiny_bundle):
+    gen = Generator(tiny_bundle, max_seq_len=8)
+    with pytest.raises(SpecrtError, match="prompt has 8 tokens but the KV capacity is 8"):
+        gen.generate_ids(list(range(8)), 4)
+    with pytest.raises(SpecrtError, match="empty"):
+        gen.generate_ids([], 4)
+
+
+def test_max_new_tokens_is_exact(tiny_bundle):
+    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64)
+    for n in (1, 2, 7):
+        res = gen.generate_ids([3, 4, 3, 4, 3], n)
+        assert len(res.token_ids) == n and res.finish_reason == "length"
+
+
+def test_eos_stops_generation(tiny_bundle):
+    gen = Generator(tiny_bundle, max_seq_len=64)
+    plain = gen.generate_ids([3, 4, 5], 20).token_ids
+    gen.eos = {plain[4]}
+    res = gen.generate_ids([3, 4, 5], 20)
+    cut = plain.index(plain[4]) + 1
+    assert res.finish_reason == "stop" and res.token_ids == plain[:cut]
