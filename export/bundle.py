@@ -22,7 +22,7 @@ from specrt.errors import SpecrtError
 from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.loading import LoadedModel, load_model
 from specrt.export.modeling import DecoderLM
-from specrt.export.onnx_builder import OPSET
+from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.manifest import GraphEntry, Manifest, sha256_file
 
 PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module

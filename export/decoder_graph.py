@@ -5,7 +5,7 @@ the contract). Per layer:
 
     x ─► RMSNorm ─► qkv_proj (one GEMM, 1/√d folded into q) ─► (qk-norm) ─► RoPE(position_ids)
                     k,v ─► TensorScatter(past_kv, at past_len) ═► present_kv (in place)
-         present_kv[:, :, :L] ─► scores = q·kᵀ + mask(past_len, tree_mask) ─► softmax ─► ·v
+         q, present_kv, past_len, tree_mask ─► specrt::TreeAttention (ONNX local function)
     x += o_proj(attn);  x += down(silu(gate) * up), gate|up from one GEMM
 
 L = max(past_len) + T: attention reads only the valid prefix plus the new window. Query heads are
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.export.modeling import MASK_VALUE, DecoderLM
-from specrt.export.onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
+from specrt.export.modeling import DecoderLM
+from specrt.plugins import tree_attention
+from specrt.plugins.onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
 from specrt.runtime.config import DecoderConfig
 
 
@@ -84,25 +85,8 @@ class _DecoderGraph:
                 cos, sin = g.op("Mul", cos, s), g.op("Mul", sin, s)
             return g.op("Unsqueeze", cos, g.const([1])), g.op("Unsqueeze", sin, g.const([1]))
 
-    def mask(self, past_len: str, tree_mask: str, t: str, total: str) -> str:
-        """Additive mask [B, 1, groups*T, L] (rows repeated per query head of a KV group);
-        see modeling.attention_mask for the rule."""
-        g = self.g
-        with g.scope("mask"):
-            j = g.op("Range", g.const(0), total, g.const(1))
-            rel = g.op("Sub", g.op("Unsqueeze", j, g.const([0])), g.op("Unsqueeze", past_len, g.const([1])))
-            in_new = g.op("And", g.op("GreaterOrEqual", rel, g.const(0)), g.op("Less", rel, t))
-            idx = g.op("Clip", rel, g.const(0), g.op("Sub", t, g.const(1)))
-            one = g.const([1])
-            idx = g.op("Expand", g.op("Unsqueeze", idx, one),
-                       g.op("Concat", one, g.op("Unsqueeze", t, g.const([0])), one, axis=0))
-            seen = g.op("And", g.op("GatherElements", tree_mask, idx, axis=2), g.op("Unsqueeze", in_new, one))
-            allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)
-            add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
-            return g.op("Unsqueeze", g.op("Tile", add, g.const([1, self.cfg.kv_groups, 1])), one)
-
     # ── attention and layers ────────────────────────────────────────────────────────────────
-    def attention(self, i: int, h: str, cos: str, sin: str, mask: str, past_len: str, total_1d: str) -> str:
+    def attention(self, i: int, h: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
         g, cfg, attn = self.g, self.cfg, self.m.model.layers[i].self_attn
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         scale = d**-0.5  # folded into the q projection (or into q_norm's weight when there is one)
@@ -119,14 +103,8 @@ class _DecoderGraph:
             present_k, present_v = f"present_key.{i}", f"present_value.{i}"
             g.op("TensorScatter", f"past_key.{i}", k, past_len, axis=2, name="k_scatter", out_names=[present_k])
             g.op("TensorScatter", f"past_value.{i}", v, past_len, axis=2, name="v_scatter", out_names=[present_v])
-            zero, axis2 = g.const([0]), g.const([2])
-            keys = g.op("Slice", present_k, zero, total_1d, axis2)
-            values = g.op("Slice", present_v, zero, total_1d, axis2)
-            # GQA: [B, nh, T, d] -> [B, kvh, groups*T, d], so each KV head serves its query group at once
-            qg = g.op("Reshape", q, g.const([0, kvh, -1, d]))
-            scores = g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-            probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
-            out = g.op("Reshape", g.op("MatMul", probs, values), g.const([0, nh, -1, d]))
+            out = g.call(tree_attention.function(), q, present_k, present_v, past_len, tree_mask,
+                         num_heads=nh, num_kv_heads=kvh, head_dim=d, **tree_attention.PLUGIN_ATTRS)
             out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
             return self.linear(out, [attn.o_proj], "o_proj")
 
@@ -153,18 +131,14 @@ class _DecoderGraph:
 
         self._prefix = "model"
         with g.scope("model"):
-            t = g.op("Squeeze", g.op("Slice", g.op("Shape", input_ids), g.const([1]), g.const([2])), g.const([0]))
-            total = g.op("Add", g.op("ReduceMax", past_len, keepdims=0), t)
-            total_1d = g.op("Unsqueeze", total, g.const([0]))
             cos, sin = self.rope_tables(position_ids)
-            mask = self.mask(past_len, tree_mask, t, total)
             embed = g.weight("model.embed_tokens.weight", _np(self.m.model.embed_tokens.weight))
             x = g.op("Gather", embed, input_ids, name="embed_tokens")
             for i, layer in enumerate(self.m.model.layers):
                 self._prefix = f"model.layers.{i}"
                 with g.scope(f"layers.{i}"):
                     h = self.rms_norm(x, *_norm(layer.input_layernorm), "input_layernorm")
-                    x = g.op("Add", x, self.attention(i, h, cos, sin, mask, past_len, total_1d))
+                    x = g.op("Add", x, self.attention(i, h, cos, sin, past_len, tree_mask))
                     h = self.rms_norm(x, *_norm(layer.post_attention_layernorm), "post_attention_layernorm")
                     x = g.op("Add", x, self.mlp(i, h))
                 if progress:

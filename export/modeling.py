@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specrt.plugins.tree_attention import MASK_VALUE
 from specrt.runtime.config import DecoderConfig
-
-MASK_VALUE = -1e9  # additive mask; exp() underflows to exactly 0 and fully-masked rows stay finite
 
 
 class RMSNorm(nn.Module):

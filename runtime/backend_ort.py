@@ -65,3 +65,9 @@ class OrtDecoder:
         self.session.run_with_iobinding(b)
         outs = b.get_outputs()
         return outs[0].numpy(), outs[1].numpy()
+
+    def compact(self, dst: int, rows: list[int]) -> None:
+        """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer."""
+        src = np.asarray(rows)
+        for buf in self.kv:
+            buf[:, :, dst : dst + len(rows)] = buf[:, :, src]

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator
+from specrt.runtime.sampling import SamplingParams
 
 
 @dataclass
@@ -50,36 +51,47 @@ def load_prompts(path: Path) -> list[Prompt]:
 Peer = Callable[[list[int], int], tuple[list[int], float]]
 
 
+def engine_name(drafter: str, tree: str | None) -> str:
+    return drafter if tree in (None, "chain") or drafter == "plain" else f"{drafter}@{tree}"
+
+
 def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str], max_new_tokens: int,
               repeats: int = 1, peers: dict[str, Peer] | None = None, raw: bool = False,
-              progress: bool = True) -> dict:
+              progress: bool = True, trees: Sequence[str | None] = (None,),
+              sampling: SamplingParams | None = None) -> dict:
+    """Every (drafter, tree) and peer on every prompt, interleaved. With sampling, each run uses the
+    same seed; `identical_to_plain` is then reported only for greedy runs."""
     peers = peers or {}
-    drafters = list(dict.fromkeys(["plain", *drafters]))  # plain is the reference for every ratio
+    sampling = sampling or SamplingParams()
+    engines = {"plain": ("plain", None)}  # plain is the reference for every ratio
     for d in drafters:
-        gen.use(d)
+        for t in trees:
+            engines.setdefault(engine_name(d, t), (d, t))
+    for d, t in engines.values():
+        gen.use(d, t)
     encoded = {p.id: gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts}
     # warm-up: every engine once on the first prompt
     first = encoded[prompts[0].id]
-    for d in drafters:
-        gen.use(d).generate_ids(first, min(16, max_new_tokens))
+    for d, t in engines.values():
+        gen.use(d, t).generate_ids(first, min(16, max_new_tokens), sampling)
     for run in peers.values():
         run(first, min(16, max_new_tokens))
 
     rows, outputs = [], {}
-    total = repeats * len(prompts) * (len(drafters) + len(peers))
+    total = repeats * len(prompts) * (len(engines) + len(peers))
     with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         for rep in range(repeats):
             for p in prompts:
-                for d in drafters:
-                    res = gen.use(d).generate_ids(encoded[p.id], max_new_tokens)
+                for name, (d, t) in engines.items():
+                    res = gen.use(d, t).generate_ids(encoded[p.id], max_new_tokens, sampling)
                     st = res.stats
-                    rows.append({"drafter": d, "id": p.id, "category": p.category, "repeat": rep,
+                    rows.append({"drafter": name, "id": p.id, "category": p.category, "repeat": rep,
                                  "new_tokens": st.new_tokens, "seconds": round(st.seconds, 4),
                                  "tokens_per_s": round(st.tokens_per_s, 3),
                                  "mean_accepted_len": round(st.mean_accepted_len, 4),
                                  "acceptance_rate": round(st.acceptance_rate, 4),
                                  "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()}})
-                    outputs[(d, p.id, rep)] = res.token_ids
+                    outputs[(name, p.id, rep)] = res.token_ids
                     bar.update()
                 for name, run in peers.items():
                     ids, seconds = run(encoded[p.id], max_new_tokens)
@@ -90,9 +102,12 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
                     outputs[(name, p.id, rep)] = ids
                     bar.update()
     for r in rows:
-        r["identical_to_plain"] = outputs[(r["drafter"], r["id"], r["repeat"])] == outputs[("plain", r["id"], r["repeat"])]
-    return {"config": {"drafters": drafters, "peers": list(peers), "max_new_tokens": max_new_tokens,
+        same = outputs[(r["drafter"], r["id"], r["repeat"])] == outputs[("plain", r["id"], r["repeat"])]
+        r["identical_to_plain"] = same if sampling.greedy else None
+    return {"config": {"engines": list(engines), "peers": list(peers), "max_new_tokens": max_new_tokens,
                        "repeats": repeats, "threads": gen.threads, "num_draft_tokens": gen.k,
+                       "trees": [t or "chain" for t in trees], "temperature": sampling.temperature,
+                       "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
                        "prompts": len(prompts)},
             "rows": rows, "summary": summarize(rows), "by_category": summarize(rows, by_category=True)}
 
@@ -119,15 +134,16 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
         entry = {"tokens_per_s_median": round(statistics.median(tps[(name, i)] for i in ids), 2),
                  "speedup_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
                  "mean_accepted_len": round(statistics.fmean(taus), 3) if taus else None,
-                 "identical": f"{sum(r['identical_to_plain'] for r in rs)}/{len(rs)}"}
+                 "identical": (f"{sum(bool(r['identical_to_plain']) for r in rs)}/{len(rs)}"
+                               if all(r["identical_to_plain"] is not None for r in rs) else "n/a (sampling)")}
         out["/".join(key) if by_category else key] = entry
     return out
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>10}"]
+    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>16}"]
     for name, s in summary.items():
         sp = f"{s['speedup_vs_plain']:.2f}" if s["speedup_vs_plain"] is not None else "-"
         tau = f"{s['mean_accepted_len']:.2f}" if s["mean_accepted_len"] is not None else "-"
-        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>10}")
+        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>16}")
     return "\n".join(lines)

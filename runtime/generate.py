@@ -1,14 +1,15 @@
 """The speculative step loop: propose → verify → accept → commit, each stage timed.
 
-Greedy verification of a chain d1..dk drafted after the last committed token x:
+    propose  the drafter drafts a tree after the last committed token x (a chain is one path)
+    verify   one target pass over [x, drafts...] with the tree mask: logits at every node
+    accept   an acceptance rule walks the tree: greedy (argmax) or rejection sampling (lossless),
+             or typical acceptance (lossy, opt-in); it returns the accepted nodes and the next token
+    commit   append them; move the accepted nodes' KV rows next to the prefix (trees only) and roll
+             back the rest by moving past_len; tell the drafter what was committed
 
-    one target pass over [x, d1, .., dk] gives argmax predictions y0..yk
-    accept the longest prefix with d_i == y_{i-1}; n accepted
-    commit d1..dn and the bonus token y_n  (so every step emits n + 1 tokens)
-    target KV: rows for x, d1..dn stay valid; the rest is rolled back by moving past_len
-
-Each committed token is the target's own argmax given the committed prefix, so the output equals
-plain greedy decoding (the drafter "plain" proposes nothing: T = 1 every step).
+Greedy: every committed token is the target's argmax given the committed prefix, so the output
+equals plain greedy decoding ("plain" proposes nothing: one token per pass). Sampling: rejection
+sampling makes every committed token a draw from the target's (warped) distribution.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.plugins.rejection_sample import sample_from
+from specrt.runtime.acceptance import LOSSY, Window, acceptance_for
 from specrt.runtime.backend_ort import OrtDecoder
 from specrt.runtime.drafters import DrafterContext, make_drafter
 from specrt.runtime.manifest import Manifest
+from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.tokenizer import Tokenizer
+from specrt.runtime.tree import Tree, resolve_tree
 
 STAGES = ("prefill", "propose", "verify", "accept", "commit")
 
@@ -36,8 +41,7 @@ class Stats:
     steps: int = 0  # target passes after prefill
     drafted: int = 0
     accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # by depth in the tree
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @property
@@ -51,16 +55,16 @@ class Stats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted drafted tokens over drafted tokens (tree nodes count as drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        for per, count in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
-            per.extend([0] * (count - len(per)))
-            for i in range(count):
-                per[i] += 1
+        self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
     def to_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
@@ -68,7 +72,6 @@ class Stats:
                 "mean_accepted_len": round(self.mean_accepted_len, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4), "drafted": self.drafted,
                 "accepted": self.accepted, "accepted_per_position": self.accepted_per_position,
-                "drafted_per_position": self.drafted_per_position,
                 "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()}}
 
 
@@ -78,6 +81,7 @@ class Result:
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or KV capacity)
     stats: Stats
     text: str = ""
+    lossy: bool = False  # True when a lossy acceptance rule (typical) produced it
 
 
 class _Timer:
@@ -92,10 +96,11 @@ class _Timer:
 
 
 class Generator:
-    """Greedy generation with a named drafter over a bundle's target graph (ONNX Runtime, CPU)."""
+    """Speculative generation with a named drafter over a bundle's target graph (ONNX Runtime, CPU)."""
 
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
-                 threads: int = 2, num_draft_tokens: int = 5, **drafter_options):
+                 threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
+                 acceptance: str | None = None, **drafter_options):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
         cfg = self.manifest.target.config
@@ -103,6 +108,8 @@ class Generator:
         if self.capacity < 2:
             raise SpecrtError(f"--max-seq-len {self.capacity} is too small: it must be at least 2")
         self.k = int(num_draft_tokens)
+        self.tree = resolve_tree(tree, self.k)
+        self.acceptance = acceptance
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.target = OrtDecoder(self.manifest.onnx_path(self.bundle, "target"), cfg, self.capacity, threads)
@@ -111,18 +118,25 @@ class Generator:
         self._drafters: dict = {}
         self.use(drafter)
 
-    def use(self, drafter: str) -> Generator:
-        """Switch drafter (built once, then reused); the target and its KV buffers are shared."""
-        if drafter not in self._drafters:
-            ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads,
-                                 {"max_draft": self.k, **self.drafter_options})
-            self._drafters[drafter] = make_drafter(drafter, ctx)
-        self.drafter_name, self.drafter = drafter, self._drafters[drafter]
+    def use(self, drafter: str, tree: str | None = None) -> Generator:
+        """Switch drafter (and its tree shape; default: the generator's). Each (drafter, tree) is built
+        once and reused; the target and its KV buffers are shared."""
+        key = (drafter, tree)
+        if key not in self._drafters:
+            shape = self.tree if tree is None else resolve_tree(tree, self.k)
+            ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads, shape,
+                                 dict(self.drafter_options))
+            self._drafters[key] = make_drafter(drafter, ctx)
+        self.drafter_name, self.drafter = drafter, self._drafters[key]
         return self
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
-    def stream(self, prompt_ids: list[int], max_new_tokens: int = 128) -> Iterator[list[int]]:
+    def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
+               sampling: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield committed tokens chunk by chunk; the final `Result` is the generator's return value."""
+        sampling = sampling or SamplingParams()
+        rule_name, rule = acceptance_for(self.acceptance, sampling)
+        rng = np.random.default_rng(sampling.seed)
         if not prompt_ids:
             raise SpecrtError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.capacity:
@@ -133,9 +147,7 @@ class Generator:
         tokens = list(prompt_ids)
         self.drafter.observe(tokens)
         with _Timer(stats, "prefill"):
-            n = len(tokens)
-            logits = self._verify(tokens, 0, np.array([[n - 1]], np.int64))
-            first = int(logits[0].argmax())
+            first = self._pick(self.forward(tokens, 0, rows=[len(tokens) - 1])[0], sampling, rng)
         out: list[int] = []
         finish = self._emit([first], out, tokens, max_new_tokens)
         yield [first]
@@ -143,35 +155,46 @@ class Generator:
             if len(tokens) > self.capacity:  # no row left for the next pass
                 finish = "length"
                 break
-            room = min(self.k, self.capacity - len(tokens), max_new_tokens - len(out) - 1)
+            past = len(tokens) - 1
             with _Timer(stats, "propose"):
-                draft = self.drafter.propose(tokens, room)[:room] if room > 0 else []
+                prop = self.drafter.propose(tokens, self.capacity - len(tokens), max_new_tokens - len(out) - 1,
+                                            sampling, rng)
+                prop = prop.limited(self.capacity - len(tokens), max_new_tokens - len(out) - 1)
+                tree = prop.tree()
+                window = np.asarray([tokens[-1], *prop.tokens], np.int64)
             with _Timer(stats, "verify"):
-                window = [tokens[-1], *draft]
-                logits = self._verify(window, len(tokens) - 1, np.arange(len(window), dtype=np.int64)[None])
+                logits = self.forward(window, past, tree)
             with _Timer(stats, "accept"):
-                predicted = logits.argmax(-1)
-                n_acc = 0
-                while n_acc < len(draft) and draft[n_acc] == predicted[n_acc]:
-                    n_acc += 1
-                new = [*draft[:n_acc], int(predicted[n_acc])]
+                q = None if prop.q is None else np.concatenate([np.zeros_like(prop.q[:1]), prop.q])
+                path, nxt = rule(Window(window, tree, q), logits, sampling, rng)
+                new = [*window[path].tolist(), nxt]
             with _Timer(stats, "commit"):
-                stats.record(len(draft), n_acc)
+                rows = [past + n for n in path]
+                if rows != list(range(past + 1, past + 1 + len(path))):
+                    self.target.compact(past + 1, rows)
+                stats.record(len(prop), len(path))
                 kept = len(out)
                 finish = self._emit(new, out, tokens, max_new_tokens)
                 self.drafter.observe(tokens)
             yield out[kept:]
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
-        return Result(token_ids=out, finish_reason=finish, stats=stats)
+        return Result(token_ids=out, finish_reason=finish, stats=stats, lossy=rule_name in LOSSY)
 
-    def _verify(self, window: list[int], past: int, logits_index: np.ndarray) -> np.ndarray:
-        """One target pass over `window` written at rows past..; returns logits [R, V]."""
-        t = len(window)
-        logits, _ = self.target.run(
-            np.asarray([window], np.int64), np.arange(past, past + t, dtype=np.int64)[None],
-            np.array([past], np.int64), np.tril(np.ones((t, t), bool))[None], logits_index)
+    def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> np.ndarray:
+        """One target pass over `window` (a chain unless `tree`) written at KV rows past..;
+        returns logits [R, V] for window `rows` (default: all)."""
+        tree = tree or Tree.chain(len(window) - 1)
+        rows = np.arange(tree.size) if rows is None else rows
+        logits, _ = self.target.run(np.asarray([window], np.int64), (past + tree.depth)[None],
+                                    np.array([past], np.int64), tree.mask[None], np.asarray([rows], np.int64))
         return logits[0]
+
+    @staticmethod
+    def _pick(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample_from(warp(logits, sampling), float(rng.random(dtype=np.float32)))
 
     def _emit(self, new: list[int], out: list[int], tokens: list[int], max_new_tokens: int) -> str | None:
         """Commit `new` (cut at EOS / max_new_tokens); returns the finish reason once done."""
@@ -184,15 +207,17 @@ class Generator:
                 return "length"
         return None
 
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128) -> Result:
-        it = self.stream(prompt_ids, max_new_tokens)
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
+                     sampling: SamplingParams | None = None) -> Result:
+        it = self.stream(prompt_ids, max_new_tokens, sampling)
         while True:
             try:
                 next(it)
             except StopIteration as stop:
                 return stop.value
 
-    def generate(self, prompt: str, max_new_tokens: int = 128, raw: bool = False) -> Result:
-        result = self.generate_ids(self.tokenizer.encode_prompt(prompt, raw), max_new_tokens)
+    def generate(self, prompt: str, max_new_tokens: int = 128, raw: bool = False,
+                 sampling: SamplingParams | None = None) -> Result:
+        result = self.generate_ids(self.tokenizer.encode_prompt(prompt, raw), max_new_tokens, sampling)
         result.text = self.tokenizer.decode(result.token_ids)
         return result

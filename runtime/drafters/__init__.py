@@ -1,19 +1,54 @@
-"""Drafters propose tokens for the target to verify; one small protocol, registered by name.
+"""Drafters propose a tree of tokens for the target to verify; one small protocol, registered by name.
 
-    drafter.propose(tokens, k) -> up to k draft tokens that follow `tokens`
-    drafter.observe(tokens)    -> the committed sequence after a step (re-sync own state/KV)
+    drafter.propose(tokens, limits, sampling, rng) -> Proposal   (nodes after the last token)
+    drafter.observe(tokens)                                       (the committed sequence; re-sync state)
 
-A chain is the one-path case of the tree that later drafters propose.
+A `Proposal` lists drafted tokens in window order (parents before children, siblings in rank
+order) with each node's window parent (0 = the root, i.e. the last committed token) and, for
+stochastic drafts, the distribution each node was drawn from. A chain is the one-path case.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from specrt.errors import SpecrtError
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.tree import Tree
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # window index of each node's parent; 0 = root
+    q: np.ndarray | None = None  # [N, V]: distribution node i was drawn from; None: deterministic
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> Proposal:
+        return cls(list(tokens), list(range(len(tokens))))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def tree(self) -> Tree:
+        return Tree.from_parents([-1, *self.parents])
+
+    def limited(self, max_nodes: int, max_depth: int) -> Proposal:
+        """Keep the nodes within both limits (a prefix in window order stays a valid tree)."""
+        if max_nodes <= 0 or max_depth <= 0:
+            return Proposal()
+        depth = self.tree().depth[1:]
+        keep = [i for i in range(min(len(self), max_nodes)) if depth[i] <= max_depth]
+        if len(keep) == len(self):
+            return self
+        new_index = {0: 0, **{i + 1: j + 1 for j, i in enumerate(keep)}}
+        return Proposal([self.tokens[i] for i in keep], [new_index[self.parents[i]] for i in keep],
+                        None if self.q is None else self.q[keep])
 
 
 @dataclass
@@ -24,13 +59,15 @@ class DrafterContext:
     manifest: object
     capacity: int
     threads: int
+    tree: Tree
     options: dict
 
 
 class Drafter(Protocol):
     name: str
 
-    def propose(self, tokens: list[int], k: int) -> list[int]: ...
+    def propose(self, tokens: list[int], max_nodes: int, max_depth: int, sampling: SamplingParams,
+                rng: np.random.Generator) -> Proposal: ...
 
     def observe(self, tokens: list[int]) -> None: ...
 

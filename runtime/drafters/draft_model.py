@@ -1,8 +1,14 @@
 """A vanilla draft model: a smaller LM with the target's tokenizer and its own KV cache.
 
-It drafts greedily, one token per pass. Its cache holds the tokens it has seen; after each step it
-keeps the longest prefix that agrees with the committed sequence and rolls the rest back by moving
-its length, so the next proposal first feeds only the tokens it has not seen.
+Proposing a tree of the configured shape, level by level:
+
+    root pass   feed the tokens the draft has not seen yet (cache rows stay valid)  → dist at root
+    level d     children of each depth-(d-1) node: its top-r tokens (greedy, one-hot q) or i.i.d.
+                draws from its warped distribution (sampling, q recorded)
+                then one pass over every node of depth ≤ d with the tree mask         → dists at depth d
+
+Tree rows are written after the committed prefix and never enter the cache: after the step the
+cache keeps the committed prefix, and the next root pass feeds the accepted tokens.
 """
 
 from __future__ import annotations
@@ -10,8 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.backend_ort import OrtDecoder
-from specrt.runtime.drafters import DrafterContext, register
+from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.sampling import SamplingParams, warp
 
 
 @register("draft")
@@ -26,27 +34,50 @@ class DraftModel:
         if entry.config.vocab_size != target.config.vocab_size:
             raise SpecrtError(f"draft vocab {entry.config.vocab_size} != target vocab {target.config.vocab_size}: "
                               "the drafter must share the target's tokenizer")
-        self.max_k = int(ctx.options.get("max_draft", 16))
-        self.model = OrtDecoder(ctx.manifest.onnx_path(ctx.bundle, "draft"), entry.config, ctx.capacity + self.max_k,
-                                ctx.threads)
+        self.shape = ctx.tree
+        self.model = OrtDecoder(ctx.manifest.onnx_path(ctx.bundle, "draft"), entry.config,
+                                ctx.capacity + ctx.tree.size, ctx.threads)
         self.cached: list[int] = []  # tokens whose K/V rows are valid in the draft cache
 
-    def _forward(self, new: list[int]) -> int:
-        past, t = len(self.cached), len(new)
-        ids = np.asarray([new], np.int64)
-        pos = np.arange(past, past + t, dtype=np.int64)[None]
-        mask = np.tril(np.ones((t, t), bool))[None]
-        logits, _ = self.model.run(ids, pos, np.array([past], np.int64), mask, np.array([[t - 1]], np.int64))
-        self.cached.extend(new)
-        return int(logits[0, 0].argmax())
+    def _run(self, ids: list[int], positions: np.ndarray, past: int, mask: np.ndarray, rows: list[int]) -> np.ndarray:
+        logits, _ = self.model.run(np.asarray([ids], np.int64), positions[None], np.array([past], np.int64),
+                                   mask[None], np.asarray([rows], np.int64))
+        return logits[0]
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        drafts = [self._forward(tokens[len(self.cached):])]
-        while len(drafts) < k:
-            drafts.append(self._forward(drafts[-1:]))
-        return drafts
+    def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
+        shape = self.shape
+        keep = [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= max_depth]
+        if not keep:
+            return Proposal()
+        new = tokens[len(self.cached):]
+        past = len(self.cached)
+        t = len(new)
+        dist = {0: self._run(new, np.arange(past, past + t), past, np.tril(np.ones((t, t), bool)), [t - 1])[0]}
+        self.cached.extend(new)
+        base = len(tokens)  # node i's row: base + i - 1; its position: base - 1 + depth
+        window = {0: tokens[-1]}
+        q_rows: dict[int, np.ndarray] = {}
+        for d in range(1, int(shape.depth[keep].max()) + 1):
+            level = [i for i in keep if shape.depth[i] == d]
+            for p in sorted({shape.parents[i] for i in level}):
+                kids = [i for i in level if shape.parents[i] == p]
+                if sampling.greedy:
+                    best = np.argsort(-dist[p], kind="stable")[: len(kids)]
+                    window.update(zip(kids, best.tolist(), strict=True))
+                else:
+                    q = warp(dist[p], sampling)
+                    for i in kids:
+                        window[i] = sample_from(q, float(rng.random()))
+                        q_rows[i] = q
+            deeper = [i for i in keep if shape.depth[i] == d + 1]
+            if deeper:
+                upto = [i for i in keep if shape.depth[i] <= d]
+                logits = self._run([window[i] for i in upto], base - 1 + shape.depth[upto], base,
+                                   shape.mask[np.ix_(upto, upto)], [upto.index(i) for i in level])
+                dist.update(zip(level, logits, strict=True))
+        q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
+        slot = {0: 0, **{i: j + 1 for j, i in enumerate(keep)}}  # shape node -> proposal window index
+        return Proposal([window[i] for i in keep], [slot[shape.parents[i]] for i in keep], q)
 
     def observe(self, tokens: list[int]) -> None:
         n = 0

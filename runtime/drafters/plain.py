@@ -1,8 +1,8 @@
-"""No drafter: every step verifies only the last token, i.e. plain greedy decoding."""
+"""No drafter: every step verifies only the last token, i.e. plain decoding."""
 
 from __future__ import annotations
 
-from specrt.runtime.drafters import DrafterContext, register
+from specrt.runtime.drafters import DrafterContext, Proposal, register
 
 
 @register("plain")
@@ -12,8 +12,8 @@ class Plain:
     def __init__(self, ctx: DrafterContext | None = None):
         pass
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        return []
+    def propose(self, tokens, max_nodes, max_depth, sampling, rng) -> Proposal:
+        return Proposal()
 
     def observe(self, tokens: list[int]) -> None:
         pass

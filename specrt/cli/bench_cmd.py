@@ -8,7 +8,14 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.options import bundle_argument, generator_kwargs, resolve_bundle, runtime_options
+from specrt.cli.options import (
+    bundle_argument,
+    generator_kwargs,
+    resolve_bundle,
+    runtime_options,
+    sampling_options,
+    sampling_params,
+)
 
 
 def default_prompts() -> Path:
@@ -23,10 +30,15 @@ def default_prompts() -> Path:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--peers", "peer_names", default="", help="Comma-separated peers to run beside specrt: transformers.")
+@click.option("--trees", default=None,
+              help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
+                   "Default: just --tree.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @runtime_options
-def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, raw, json_out, **runtime):
+@sampling_options
+def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, trees, raw, json_out,
+            temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.peers import make_peers
     from specrt.runtime.bench import format_table, load_prompts, run_bench
@@ -38,7 +50,10 @@ def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, raw,
     else:
         names = ["plain", "ngram"] + (["draft"] if "draft" in gen.manifest.graphs else [])
     peers = make_peers([p.strip() for p in peer_names.split(",") if p.strip()], gen.manifest, gen.threads)
-    result = run_bench(gen, load_prompts(prompts or default_prompts()), names, max_new_tokens, repeats, peers, raw)
+    tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
+    sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
+    result = run_bench(gen, load_prompts(prompts or default_prompts()), names, max_new_tokens, repeats, peers, raw,
+                       trees=tree_list, sampling=sampling)
     click.echo(format_table(result["summary"]))
     click.echo("\nby category:")
     click.echo(format_table(result["by_category"]))

@@ -7,7 +7,14 @@ import sys
 
 import click
 
-from specrt.cli.options import bundle_argument, generator_kwargs, resolve_bundle, runtime_options
+from specrt.cli.options import (
+    bundle_argument,
+    generator_kwargs,
+    resolve_bundle,
+    runtime_options,
+    sampling_options,
+    sampling_params,
+)
 
 
 @click.command("generate")
@@ -18,13 +25,15 @@ from specrt.cli.options import bundle_argument, generator_kwargs, resolve_bundle
 @click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @runtime_options
-def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, **runtime):
+@sampling_options
+def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, top_k, top_p, seed, **runtime):
     """Generate text from BUNDLE (default: the bundle `make export build` wrote)."""
     from specrt.runtime.generate import Generator
 
+    sampling = sampling_params(temperature, top_k, top_p, seed)
     gen = Generator(resolve_bundle(bundle), drafter=drafter, **generator_kwargs(**runtime))
     ids = gen.tokenizer.encode_prompt(prompt, raw)
-    stream = gen.stream(ids, max_new_tokens)
+    stream = gen.stream(ids, max_new_tokens, sampling)
     out: list[int] = []
     shown = ""
     while True:
@@ -46,12 +55,12 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, **runtime):
                                    "acceptance_rate")}
         stats["detail"] = {k: v for k, v in s.items() if k not in stats}
         click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": drafter,
-                               "finish_reason": result.finish_reason, "stats": stats}))
+                               "finish_reason": result.finish_reason, "lossy": result.lossy, "stats": stats}))
     else:
         if text.startswith(shown):
             sys.stdout.write(text[len(shown):])
         st = result.stats
         click.echo("")
         click.echo(f"[{drafter}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
-                   f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}",
-                   err=True)
+                   f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}"
+                   + (" [LOSSY: typical acceptance]" if result.lossy else ""), err=True)

@@ -18,24 +18,51 @@ def resolve_bundle(bundle: Path | None) -> Path:
     return bundle if bundle is not None else default_bundle()
 
 
+def _apply(f, options):
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
 def runtime_options(f):
     """Settings of the runtime that generation and benchmarking share."""
-    for opt in reversed([
+    return _apply(f, [
         click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
                      help="KV capacity in tokens (prompt + output). Default: min(2048, model maximum)."),
         click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
                      help="ONNX Runtime intra-op threads."),
         click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=5, show_default=True,
-                     help="Tokens drafted per step (chain length)."),
+                     help="Chain length when no --tree is given."),
+        click.option("--tree", default=None,
+                     help="Draft tree: 'chain' (default, k drafts), a name (default, wide, binary) or a JSON "
+                          "file holding a list of paths such as [[0],[1],[0,0]]."),
+        click.option("--acceptance", type=click.Choice(["auto", "greedy", "rejection", "typical"]), default="auto",
+                     show_default=True, help="auto: greedy at temperature 0, else rejection sampling (both "
+                     "lossless). typical: Medusa typical acceptance — LOSSY, output no longer follows the target."),
         click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
                      help="ngram drafter: longest suffix to match."),
         click.option("--ngram-min", type=click.IntRange(min=1), default=1, show_default=True,
                      help="ngram drafter: shortest suffix to match."),
-    ]):
-        f = opt(f)
-    return f
+    ])
 
 
-def generator_kwargs(max_seq_len, threads, num_draft_tokens, ngram_max, ngram_min) -> dict:
-    return {"max_seq_len": max_seq_len, "threads": threads, "num_draft_tokens": num_draft_tokens,
-            "ngram_max": ngram_max, "ngram_min": ngram_min}
+def sampling_options(f):
+    return _apply(f, [
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="0: greedy. Applied identically to target and draft distributions."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                     help="1: off."),
+        click.option("--seed", type=int, default=None, help="Same seed, same output."),
+    ])
+
+
+def generator_kwargs(max_seq_len, threads, num_draft_tokens, tree, acceptance, ngram_max, ngram_min) -> dict:
+    return {"max_seq_len": max_seq_len, "threads": threads, "num_draft_tokens": num_draft_tokens, "tree": tree,
+            "acceptance": acceptance, "ngram_max": ngram_max, "ngram_min": ngram_min}
+
+
+def sampling_params(temperature, top_k, top_p, seed):
+    from specrt.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

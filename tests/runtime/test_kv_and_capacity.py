@@ -80,3 +80,43 @@ def test_eos_stops_generation(tiny_bundle):
     res = gen.generate_ids([3, 4, 5], 20)
     cut = plain.index(plain[4]) + 1
     assert res.finish_reason == "stop" and res.token_ids == plain[:cut]
+
+
+class _Oracle:
+    """A test drafter that knows the plain greedy continuation and hides it in a tree's 2nd branch:
+    node 1 (rank 0) is wrong, node 2 (rank 1) is right, node 3 (child of 2) is right — so the
+    accepted path [2, 3] is not contiguous and its KV rows must be moved."""
+
+    name = "oracle"
+
+    def __init__(self, answer: list[int], prompt_len: int):
+        self.answer, self.prompt_len = answer, prompt_len
+
+    def propose(self, tokens, max_nodes, max_depth, sampling, rng):
+        from specrt.runtime.drafters import Proposal
+
+        done = len(tokens) - self.prompt_len
+        nxt = self.answer[done : done + 2]
+        if len(nxt) < 2 or max_nodes < 3 or max_depth < 2:
+            return Proposal()
+        return Proposal([(nxt[0] + 1) % 100, nxt[0], nxt[1]], [0, 0, 2])
+
+    def observe(self, tokens):
+        pass
+
+
+def test_tree_acceptance_compacts_kv_rows_exactly(tiny_bundle):
+    prompt = [3, 4, 5, 6]
+    plain = Generator(tiny_bundle, max_seq_len=64).generate_ids(prompt, 12).token_ids
+    gen = Generator(tiny_bundle, max_seq_len=64)
+    gen.drafter = _Oracle(plain, len(prompt))
+    res = gen.generate_ids(prompt, 12)
+    assert res.token_ids == plain
+    assert res.stats.accepted >= 6 and res.stats.mean_accepted_len > 2  # the hidden branch was taken
+    # the compacted cache equals a fresh prefill of the committed tokens, bitwise
+    committed = prompt + res.token_ids[:-1]
+    fresh = Generator(tiny_bundle, max_seq_len=64).target
+    n = len(committed)
+    fresh.run(np.array([committed]), np.arange(n)[None], np.array([0]), causal(n), np.array([[n - 1]]))
+    for got, want in zip(gen.target.kv, fresh.kv, strict=True):
+        np.testing.assert_array_equal(got[:, :, :n], want[:, :, :n])

@@ -23,7 +23,7 @@ def test_generate_runs_without_torch(real_bundle):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["stats"]["new_tokens"] == len(result["token_ids"]) > 0
-    assert set(result) == {"text", "token_ids", "drafter", "finish_reason", "stats"}
+    assert {"text", "token_ids", "drafter", "finish_reason", "stats"} <= set(result)
     assert {"new_tokens", "seconds", "tokens_per_s", "steps", "mean_accepted_len", "acceptance_rate"} <= set(
         result["stats"])
 

@@ -1,0 +1,101 @@
+"""specrt::TreeAttention — attention of the new window over the valid KV prefix and its tree ancestors.
+
+    inputs : q [B, H, T, d] (already scaled by 1/√d), k_cache / v_cache [B, KV, S, d] holding the
+             window's own rows at past_len .. past_len+T-1, past_len [B], tree_mask [B, T, T] (bool)
+    attrs  : num_heads H, num_kv_heads KV, head_dim d (ints); plugin_namespace, plugin_version
+    output : [B, H, T, d]
+
+Window token t sees cache row j when j < past_len (committed prefix) or j = past_len + u with
+tree_mask[t, u]. GQA: query head h reads KV head h // (H / KV). The function body uses standard
+ONNX ops only; TensorRT can swap in the registered plugin of the same name (node attributes
+`plugin_namespace`, `plugin_version`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from specrt.plugins.onnx_builder import GraphBuilder
+
+NAME = "TreeAttention"
+MASK_VALUE = -1e9  # additive mask; exp() underflows to exactly 0 and fully-masked rows stay finite
+PLUGIN_ATTRS = {"plugin_namespace": "specrt", "plugin_version": "1"}
+SHAPE_ATTRS = ("num_heads", "num_kv_heads", "head_dim")  # ints on the node; the plugin reads them too
+INPUTS = ["q", "k_cache", "v_cache", "past_len", "tree_mask"]
+
+
+def reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, past_len: np.ndarray,
+              tree_mask: np.ndarray) -> np.ndarray:
+    """Plain NumPy, one (batch, head) at a time, in float64."""
+    b_sz, heads, t, _ = q.shape
+    groups = heads // k_cache.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(b_sz):
+        p = int(past_len[b])
+        allowed = np.concatenate([np.ones((t, p), bool), tree_mask[b]], axis=1)  # [T, p+T]
+        for h in range(heads):
+            keys = k_cache[b, h // groups, : p + t].astype(np.float64)
+            values = v_cache[b, h // groups, : p + t].astype(np.float64)
+            scores = np.where(allowed, q[b, h].astype(np.float64) @ keys.T, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, h] = (w / w.sum(-1, keepdims=True)) @ values
+    return out
+
+
+def function() -> onnx.FunctionProto:
+    """The op as an ONNX local function whose body uses standard ops only.
+
+        L = max(past_len) + T
+        mask[b, t, j] = 0 if j < past_len[b] or tree_mask[b, t, j - past_len[b]] else -1e9
+        q  [B,H,T,d] ─► [B, KV, G*T, d]         (query heads grouped per KV head; K/V never repeated)
+        s  = q · k[:L]ᵀ + mask
+        softmax over the columns permuted to (prefix, ancestors by depth, rest), then permuted back
+        out = softmax(s) · v[:L] ─► [B, H, T, d]
+    """
+    g = GraphBuilder(NAME, as_function=True)
+    q, k_cache, v_cache, past_len, tree_mask = INPUTS
+    zero, one = g.const([0]), g.const([1])
+    t = g.op("Gather", g.op("Shape", tree_mask), g.const(1))  # from tree_mask: shared by every layer
+    total = g.op("Add", g.op("ReduceMax", past_len, keepdims=0), t)
+    total_1d = g.op("Unsqueeze", total, zero)
+    # head counts come from the node's attributes, so every layer computes the same mask and
+    # column order from the same inputs and ONNX Runtime folds them into one computation
+    heads, kv_heads, head_dim = (g.op("Unsqueeze", g.attr_int(a), zero) for a in SHAPE_ATTRS)
+    groups = g.op("Div", heads, kv_heads)
+    with g.scope("mask"):
+        j = g.op("Range", g.const(0), total, g.const(1))
+        rel = g.op("Sub", g.op("Unsqueeze", j, zero), g.op("Unsqueeze", past_len, one))  # [B, L]
+        in_new = g.op("And", g.op("GreaterOrEqual", rel, g.const(0)), g.op("Less", rel, t))
+        idx = g.op("Clip", rel, g.const(0), g.op("Sub", t, g.const(1)))
+        idx = g.op("Expand", g.op("Unsqueeze", idx, one), g.op("Concat", one, g.op("Unsqueeze", t, zero), one, axis=0))
+        seen = g.op("And", g.op("GatherElements", tree_mask, idx, axis=2), g.op("Unsqueeze", in_new, one))
+        allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)  # [B, T, L]
+        add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
+        rep = g.op("Concat", one, groups, one, axis=0)
+        mask = g.op("Unsqueeze", g.op("Tile", add, rep), one)  # [B, 1, G*T, L]
+    with g.scope("order"):
+        # Column order per row: committed prefix, then the row's ancestors by depth, then the rest.
+        # For a chain this is the identity; for a tree it puts an accepted node's visible columns
+        # exactly where a chain (or plain decoding) has them, so the softmax reduces the same
+        # numbers in the same order and tree verification stays bitwise equal to plain decoding.
+        depth = g.op("ReduceSum", g.op("Cast", tree_mask, to=TensorProto.INT64), g.const([2]), keepdims=1)  # [B,T,1]
+        col_depth = g.op("Transpose", depth, perm=[0, 2, 1])  # [B, 1, T]
+        other = g.op("Add", g.op("Range", g.const(0), t, g.const(1)), g.op("Add", t, g.const(1)))  # after any depth
+        key = g.op("Where", tree_mask, col_depth, other)
+        _, order = g.op("TopK", g.op("Neg", key), g.op("Unsqueeze", t, zero), axis=2, largest=1, sorted=1, outputs=2)
+        moved = g.op("Add", g.op("GatherElements", order, idx, axis=2), g.op("Unsqueeze", g.op("Unsqueeze", past_len, one), one))
+        cols = g.op("Expand", g.op("Unsqueeze", j, zero), g.op("Shape", moved))
+        perm = g.op("Where", g.op("Unsqueeze", in_new, one), moved, cols)  # [B, T, L]
+        perm = g.op("Unsqueeze", g.op("Tile", perm, rep), one)  # [B, 1, G*T, L]
+    keys = g.op("Slice", k_cache, zero, total_1d, g.const([2]))
+    values = g.op("Slice", v_cache, zero, total_1d, g.const([2]))
+    qg = g.op("Reshape", q, g.op("Concat", zero, kv_heads, g.const([-1]), head_dim, axis=0))
+    scores = g.op("Add", g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 3, 2])), mask)
+    perm = g.op("Expand", perm, g.op("Shape", scores))
+    probs = g.op("Softmax", g.op("GatherElements", scores, perm, axis=3), axis=-1)
+    probs = g.op("ScatterElements", probs, perm, probs, axis=3)  # back to cache order
+    out = g.op("MatMul", probs, values)
+    g.op("Reshape", out, g.op("Concat", zero, heads, g.const([-1]), head_dim, axis=0), out_names=["out"])
+    return g.function(INPUTS, ["out"], attributes=[*PLUGIN_ATTRS, *SHAPE_ATTRS], doc=function.__doc__)

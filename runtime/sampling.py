@@ -1,0 +1,57 @@
+"""Sampling parameters and the logits warp applied identically to target and draft distributions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise SpecrtError(f"--temperature {self.temperature} must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise SpecrtError(f"--top-k {self.top_k} must be >= 0 (0 means off)")
+        if not 0 < self.top_p <= 1:
+            raise SpecrtError(f"--top-p {self.top_p} must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities [..., V] after temperature, then top-k, then top-p (float32).
+
+    Ties at the top-k boundary are all kept; top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches top_p (always at least one token).
+    """
+    if params.greedy:
+        raise SpecrtError("warp() is for temperature > 0; greedy decoding uses the argmax")
+    x = logits.astype(np.float32) / np.float32(params.temperature)
+    v = x.shape[-1]
+    if 0 < params.top_k < v:
+        kth = np.partition(x, v - params.top_k, axis=-1)[..., v - params.top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    x = x - x.max(-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
+        before = np.cumsum(sorted_p, -1) - sorted_p  # mass strictly above each token
+        keep_sorted = before < np.float32(params.top_p)
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        p = np.where(keep, p, 0).astype(np.float32)
+        p /= p.sum(-1, keepdims=True)
+    return p.astype(np.float32)

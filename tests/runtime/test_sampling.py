@@ -1,0 +1,45 @@
+"""The logits warp: temperature, then top-k (ties kept), then top-p (smallest prefix reaching p)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime.sampling import SamplingParams, warp
+
+
+def test_temperature_is_softmax_of_scaled_logits():
+    logits = np.array([1.0, 2.0, 3.0], np.float32)
+    p = warp(logits, SamplingParams(temperature=0.5))
+    e = np.exp((logits - 3) / 0.5)
+    np.testing.assert_allclose(p, e / e.sum(), rtol=1e-6)
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    logits = np.array([5.0, 3.0, 3.0, 1.0], np.float32)
+    p = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p > 0).tolist() == [True, True, True, False]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    assert (warp(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0).tolist() == [True, True, False, False]
+    assert (warp(logits, SamplingParams(temperature=1.0, top_p=0.81)) > 0).tolist() == [True, True, True, False]
+    assert (warp(logits, SamplingParams(temperature=1.0, top_p=0.1)) > 0).tolist() == [True, False, False, False]
+    np.testing.assert_allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.8)).sum(), 1.0, rtol=1e-6)
+
+
+def test_batched_rows_are_independent():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 7)).astype(np.float32)
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    np.testing.assert_array_equal(warp(logits, params), np.stack([warp(row, params) for row in logits]))
+
+
+@pytest.mark.parametrize("kw,needle", [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top-k"),
+                                       ({"top_p": 0.0}, "top-p"), ({"top_p": 1.5}, "top-p")])
+def test_bad_parameters_are_refused(kw, needle):
+    with pytest.raises(SpecrtError, match=needle):
+        SamplingParams(**kw)

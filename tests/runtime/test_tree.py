@@ -1,0 +1,77 @@
+"""Trees compile from paths into parents, ranks, depths and ancestor masks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime.drafters import Proposal
+from specrt.runtime.drafters.ngram import continuations, trie
+from specrt.runtime.tree import NAMED_TREES, Tree, resolve_tree
+
+
+def test_paths_compile_as_documented():
+    t = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    assert t.parents == (-1, 0, 0, 1, 1, 3)
+    assert t.ranks == (0, 0, 1, 0, 1, 0)
+    assert t.depth.tolist() == [0, 1, 1, 2, 2, 3]
+    assert t.mask[5].tolist() == [True, True, False, True, False, True]
+    assert t.mask[2].tolist() == [True, False, True, False, False, False]
+    assert t.paths == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    assert Tree.from_paths(t.paths) == t
+
+
+def test_order_of_paths_does_not_matter_and_chain_is_a_tree():
+    assert Tree.from_paths([[0, 0], [1], [0]]) == Tree.from_paths([[0], [1], [0, 0]])
+    chain = Tree.chain(3)
+    assert chain == Tree.from_paths([[0], [0, 0], [0, 0, 0]])
+    assert chain.is_chain and np.array_equal(chain.mask, np.tril(np.ones((4, 4), bool)))
+
+
+def test_from_parents_assigns_ranks_in_order():
+    t = Tree.from_parents([-1, 0, 0, 1, 0])
+    assert t.ranks == (0, 0, 1, 0, 2)
+    assert t.children(0) == [1, 2, 4]
+
+
+@pytest.mark.parametrize("paths,needle", [([[0], [0]], "duplicates"), ([[0, 0]], "no parent"),
+                                          ([[1]], "skips rank"), ([[]], "invalid"), ([[0], [-1]], "invalid")])
+def test_bad_paths_are_refused(paths, needle):
+    with pytest.raises(SpecrtError, match=needle):
+        Tree.from_paths(paths)
+
+
+def test_resolve_names_files_and_errors(tmp_path):
+    assert resolve_tree(None, 4) == Tree.chain(4)
+    for name in NAMED_TREES:
+        assert resolve_tree(name, 4).size == len(NAMED_TREES[name]) + 1
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([[0], [1], [0, 0]]))
+    assert resolve_tree(str(f), 4).size == 4
+    f.write_text("{oops")
+    with pytest.raises(SpecrtError, match="t.json"):
+        resolve_tree(str(f), 4)
+    with pytest.raises(SpecrtError, match="neither a tree name"):
+        resolve_tree("no-such-tree", 4)
+
+
+def test_proposal_limits_keep_a_valid_tree():
+    p = Proposal([10, 11, 12, 13, 14], [0, 0, 1, 1, 3], None)  # depths 1 1 2 2 3
+    assert p.limited(10, 1).tokens == [10, 11]
+    q = p.limited(4, 2)
+    assert q.tokens == [10, 11, 12, 13] and q.parents == [0, 0, 1, 1]
+    r = p.limited(5, 3)
+    assert r is p
+    assert p.limited(0, 3).tokens == []
+
+
+def test_ngram_trie_merges_shared_prefixes():
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3]
+    conts = continuations(tokens, k=2, max_n=2, limit=3)
+    assert conts[:2] == [[5, 7], [4, 9]]  # latest occurrence of [2, 3] first
+    prop = trie([[5, 7], [5, 8], [4]], max_nodes=10)
+    assert prop.tokens == [5, 7, 8, 4] and prop.parents == [0, 1, 1, 0]
+    assert trie([[5, 7], [4]], max_nodes=2).tokens == [5, 7]
