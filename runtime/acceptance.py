@@ -99,8 +99,6 @@ TYPICAL_EPSILON, TYPICAL_ALPHA = 0.09, 0.3  # Medusa's posterior_threshold and p
 
 def typical(w: Window, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator):
     """LOSSY: accept the first child whose target probability beats min(ε, α·exp(−entropy))."""
-    if params.greedy:
-        raise SpecrtError("--acceptance typical needs --temperature > 0 (at temperature 0 use greedy, which is lossless)")
     p = warp(logits, params)
     ent = -(p * np.log(np.maximum(p, 1e-30))).sum(-1)
     threshold = np.minimum(TYPICAL_EPSILON, TYPICAL_ALPHA * np.exp(-ent))
@@ -123,6 +121,8 @@ def acceptance_for(name: str | None, params: SamplingParams) -> tuple[str, Rule]
         name = "greedy" if params.greedy else "rejection"
     if name not in ACCEPTANCE:
         raise SpecrtError(f"unknown acceptance {name!r}: choose auto, greedy, rejection or typical (lossy)")
+    if name == "typical" and params.greedy:
+        raise SpecrtError("--acceptance typical needs --temperature > 0 (at temperature 0 use greedy, which is lossless)")
     if name == "rejection" and params.greedy:
         name = "greedy"  # temperature 0: rejection sampling with a one-hot target is the greedy walk
     return name, ACCEPTANCE[name]

@@ -16,7 +16,9 @@ from specrt.runtime.generate import Generator
 from specrt.runtime.lossless import ChiSquare, chi_square
 from specrt.runtime.sampling import SamplingParams, warp
 
-PROMPT = "Write one short sentence about rain."
+# Repetitive on purpose: prompt lookup then drafts tokens the target often samples, so the check
+# exercises acceptance and sibling rejection, not only the fallback draw.
+PROMPT = "Repeat this list exactly: red, green, blue, red, green, blue, red, green, blue."
 
 
 def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
@@ -39,7 +41,7 @@ def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams
     return out
 
 
-def lossless_check(bundle: Path, drafter: str = "draft", tree: str | None = "default", samples: int = 1000,
+def lossless_check(bundle: Path, drafter: str = "ngram", tree: str | None = "default", samples: int = 1000,
                    length: int = 3, top_k: int = 4, temperature: float = 1.0, seed: int = 0,
                    threads: int = 2, progress: bool = True) -> tuple[ChiSquare, dict]:
     gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=256, threads=threads)

@@ -42,3 +42,16 @@ def real_generator(real_bundle):
 @pytest.fixture(scope="session")
 def tokenizer_dir(real_bundle):
     return real_bundle / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tokenizer_dir):
+    """A 2-layer random Llama with the real tokenizer (vocab 49152), exported with a 1-layer draft."""
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from tests.helpers import save_tiny_folder
+
+    folder = save_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", tokenizer_dir,
+                              vocab_size=49152, max_position_embeddings=64)
+    out = tmp_path_factory.mktemp("tinyb") / "bundle"
+    export_bundle(folder, out, ExportOptions(draft_layers=1, progress=False))
+    return out

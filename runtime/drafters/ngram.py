@@ -1,6 +1,7 @@
 """Prompt lookup: find earlier occurrences of the context's suffix and propose what followed.
 
-Chain: suffix sizes max_n down to min_n; the latest occurrence of the longest matching suffix wins.
+Chain: suffix sizes max_n down to min_n; the latest occurrence of the longest matching suffix wins,
+and a match of n tokens proposes at most 2n.
 Tree: several continuations (longest suffixes first, latest occurrences first, distinct ones only)
 merged into a token trie. No model, no state; drafts are deterministic (one-hot q).
 """
@@ -19,8 +20,15 @@ def _check(max_n: int, min_n: int) -> None:
         raise SpecrtError(f"n-gram sizes must satisfy 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
 
 
+TOKENS_PER_MATCHED = 2  # a match of n tokens proposes at most 2n: short matches are weak evidence
+
+
 def continuations(tokens, k: int, max_n: int = 3, min_n: int = 1, limit: int = 1) -> list[list[int]]:
-    """Up to `limit` distinct continuations (≤ k tokens) following earlier occurrences of a suffix."""
+    """Up to `limit` distinct continuations following earlier occurrences of a suffix.
+
+    A continuation after an n-token match has at most min(k, 2n) tokens, so a lone 1-token match
+    costs a short verify window rather than a long one that is rarely accepted.
+    """
     _check(max_n, min_n)
     arr = np.asarray(tokens, dtype=np.int64)
     size = arr.shape[0]
@@ -31,7 +39,7 @@ def continuations(tokens, k: int, max_n: int = 3, min_n: int = 1, limit: int = 1
         suffix = arr[size - n:]
         windows = sliding_window_view(arr[: size - 1], n)  # every earlier start, not the suffix itself
         for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
-            cont = arr[hit + n : hit + n + k].tolist()
+            cont = arr[hit + n : hit + n + min(k, TOKENS_PER_MATCHED * n)].tolist()
             if cont and cont not in found:
                 found.append(cont)
                 if len(found) == limit:

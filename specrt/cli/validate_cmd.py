@@ -14,7 +14,7 @@ from specrt.errors import SpecrtError
 @bundle_argument
 @click.option("--lossless", is_flag=True,
               help="Speculative sampling vs the exact target distribution (chi-square, α=1e-3) on this bundle.")
-@click.option("--drafter", default="draft", show_default=True, help="Drafter to check (ngram if no draft model).")
+@click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
 @click.option("--tree", default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
 @click.option("--length", type=click.IntRange(min=2, max=4), default=3, show_default=True,

@@ -6,19 +6,8 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.export.bundle import ExportOptions, export_bundle
 from specrt.runtime.backend_ort import OrtDecoder
 from specrt.runtime.generate import Generator
-from tests.helpers import save_tiny_folder
-
-
-@pytest.fixture(scope="module")
-def tiny_bundle(tmp_path_factory, tokenizer_dir):
-    folder = save_tiny_folder(tmp_path_factory.mktemp("tiny") / "llama", "llama", tokenizer_dir,
-                              vocab_size=49152, max_position_embeddings=64)
-    out = tmp_path_factory.mktemp("tinyb") / "bundle"
-    export_bundle(folder, out, ExportOptions(draft_layers=1, progress=False))
-    return out
 
 
 def causal(t):

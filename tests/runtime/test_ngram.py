@@ -20,10 +20,12 @@ def test_latest_occurrence_is_used():
     assert lookup(tokens, k=1, max_n=2) == [20]
 
 
-def test_proposal_is_cut_at_k_and_at_the_end_of_context():
+def test_proposal_is_cut_at_k_at_twice_the_match_and_at_the_end_of_context():
     tokens = [4, 5, 6, 7, 8, 4, 5]
     assert lookup(tokens, k=2, max_n=2) == [6, 7]
-    assert lookup(tokens, k=10, max_n=2) == [6, 7, 8, 4, 5]
+    assert lookup(tokens, k=10, max_n=2) == [6, 7, 8, 4]  # 2-token match: at most 4
+    assert lookup(tokens, k=10, max_n=1) == [6, 7]  # 1-token match: at most 2
+    assert lookup([1, 2, 3, 9, 1, 2, 3], k=10, max_n=3) == [9, 1, 2, 3]  # cut by the context's end
 
 
 def test_overlapping_repeat_uses_the_latest_match():
