@@ -15,10 +15,10 @@ DRAFTER ?= ngram
 THREADS ?= 2
 SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
 
-.PHONY: setup export build run test bench lint doctor clean distclean help
+.PHONY: setup export build run test bench validate lint doctor clean distclean help
 
 help:
-	@echo "make run | setup | export | build | test | bench | lint | doctor | clean | distclean"
+	@echo "make run | setup | export | build | test | bench | validate | lint | doctor | clean | distclean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,9 @@ test: setup
 bench: build
 	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers transformers \
 		--json $(SPECRT_HOME)/bench/latest.json
+
+validate: build
+	$(SPECRT) validate $(BUNDLE) --lossless --samples 1000
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -73,14 +73,15 @@ class GraphBuilder:
 
     def attr_int(self, name: str) -> str:
         """Inside a function: a scalar int64 read from the calling node's attribute `name`."""
-        out = f"/{self.name}/attr_{name}"
-        if out not in self._consts.values():
+        key = ("attr", name)
+        if key not in self._consts:
+            out = f"/{self.name}/attr_{name}"
             node = helper.make_node("Constant", [], [out], name=out)
             node.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name=name,
                                                       type=onnx.AttributeProto.INT))
             self.nodes.append(node)
-            self._consts[("attr", name)] = out
-        return out
+            self._consts[key] = out
+        return self._consts[key]
 
     def call(self, function: onnx.FunctionProto, *inputs: str, outputs: int = 1, name: str | None = None,
              **attrs):

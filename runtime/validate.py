@@ -24,8 +24,7 @@ PROMPT = "Repeat this list exactly: red, green, blue, red, green, blue, red, gre
 def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
     """P(next `length` tokens) under the warped target, by enumerating the support (top-k)."""
     out: dict[tuple, float] = {}
-    gen.forward(prompt, 0, rows=[len(prompt) - 1])  # rows for the prompt stay valid below
-    first = warp(gen.forward(prompt[-1:], len(prompt) - 1)[0], params)
+    first = warp(gen.forward(prompt, 0, rows=[len(prompt) - 1])[0], params)  # the prompt's rows stay valid
     frontier = [((), 1.0, first)]
     for depth in range(length):
         nxt = []
