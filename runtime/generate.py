@@ -156,10 +156,10 @@ class Generator:
                 finish = "length"
                 break
             past = len(tokens) - 1
+            max_nodes = self.capacity - len(tokens)  # KV rows left after the root's
+            max_depth = max_new_tokens - len(out) - 1  # the bonus token needs one more
             with _Timer(stats, "propose"):
-                prop = self.drafter.propose(tokens, self.capacity - len(tokens), max_new_tokens - len(out) - 1,
-                                            sampling, rng)
-                prop = prop.limited(self.capacity - len(tokens), max_new_tokens - len(out) - 1)
+                prop = self.drafter.propose(tokens, max_nodes, max_depth, sampling, rng).limited(max_nodes, max_depth)
                 tree = prop.tree()
                 window = np.asarray([tokens[-1], *prop.tokens], np.int64)
             with _Timer(stats, "verify"):

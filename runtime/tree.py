@@ -102,9 +102,6 @@ class Tree:
     def children(self, node: int) -> list[int]:
         return [i for i in range(1, self.size) if self.parents[i] == node]
 
-    def to_dict(self) -> dict:
-        return {"paths": self.paths}
-
 
 # A sensible static tree for the default model: 12 nodes, deepest along the first candidates.
 NAMED_TREES: dict[str, list[list[int]]] = {

@@ -44,8 +44,6 @@ def lossless_check(bundle: Path, drafter: str = "ngram", tree: str | None = "def
                    length: int = 3, top_k: int = 4, temperature: float = 1.0, seed: int = 0,
                    threads: int = 2, progress: bool = True) -> tuple[ChiSquare, dict]:
     gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=256, threads=threads)
-    if drafter == "draft" and "draft" not in gen.manifest.graphs:
-        gen.use("ngram", tree)
     prompt = gen.tokenizer.encode_prompt(PROMPT)
     params = SamplingParams(temperature=temperature, top_k=top_k)
     exact = exact_distribution(gen, prompt, params, length)

@@ -22,15 +22,18 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tree import Tree
 
 
+def renumber(keep: list[int], parents) -> list[int]:
+    """Parents of the kept window nodes `keep` (ascending; every kept node's parent kept or the root),
+    renumbered to the compacted window."""
+    slot = {0: 0, **{w: j + 1 for j, w in enumerate(keep)}}
+    return [slot[parents[w]] for w in keep]
+
+
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # window index of each node's parent; 0 = root
     q: np.ndarray | None = None  # [N, V]: distribution node i was drawn from; None: deterministic
-
-    @classmethod
-    def chain(cls, tokens: list[int]) -> Proposal:
-        return cls(list(tokens), list(range(len(tokens))))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,13 +45,12 @@ class Proposal:
         """Keep the nodes within both limits (a prefix in window order stays a valid tree)."""
         if max_nodes <= 0 or max_depth <= 0:
             return Proposal()
-        depth = self.tree().depth[1:]
-        keep = [i for i in range(min(len(self), max_nodes)) if depth[i] <= max_depth]
+        depth = self.tree().depth
+        keep = [w for w in range(1, min(len(self), max_nodes) + 1) if depth[w] <= max_depth]  # window nodes
         if len(keep) == len(self):
             return self
-        new_index = {0: 0, **{i + 1: j + 1 for j, i in enumerate(keep)}}
-        return Proposal([self.tokens[i] for i in keep], [new_index[self.parents[i]] for i in keep],
-                        None if self.q is None else self.q[keep])
+        return Proposal([self.tokens[w - 1] for w in keep], renumber(keep, [-1, *self.parents]),
+                        None if self.q is None else self.q[[w - 1 for w in keep]])
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.backend_ort import OrtDecoder
-from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.sampling import SamplingParams, warp
 
 
@@ -76,8 +76,7 @@ class DraftModel:
                                    shape.mask[np.ix_(upto, upto)], [upto.index(i) for i in level])
                 dist.update(zip(level, logits, strict=True))
         q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
-        slot = {0: 0, **{i: j + 1 for j, i in enumerate(keep)}}  # shape node -> proposal window index
-        return Proposal([window[i] for i in keep], [slot[shape.parents[i]] for i in keep], q)
+        return Proposal([window[i] for i in keep], renumber(keep, shape.parents), q)
 
     def observe(self, tokens: list[int]) -> None:
         n = 0

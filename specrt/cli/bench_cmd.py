@@ -10,8 +10,7 @@ import click
 
 from specrt.cli.options import (
     bundle_argument,
-    generator_kwargs,
-    resolve_bundle,
+    make_generator,
     runtime_options,
     sampling_options,
     sampling_params,
@@ -42,9 +41,8 @@ def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, tree
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.peers import make_peers
     from specrt.runtime.bench import format_table, load_prompts, run_bench
-    from specrt.runtime.generate import Generator
 
-    gen = Generator(resolve_bundle(bundle), drafter="plain", **generator_kwargs(**runtime))
+    gen = make_generator(bundle, "plain", **runtime)
     if drafters:
         names = [d.strip() for d in drafters.split(",") if d.strip()]
     else:

@@ -9,8 +9,7 @@ import click
 
 from specrt.cli.options import (
     bundle_argument,
-    generator_kwargs,
-    resolve_bundle,
+    make_generator,
     runtime_options,
     sampling_options,
     sampling_params,
@@ -28,10 +27,8 @@ from specrt.cli.options import (
 @sampling_options
 def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, top_k, top_p, seed, **runtime):
     """Generate text from BUNDLE (default: the bundle `make export build` wrote)."""
-    from specrt.runtime.generate import Generator
-
     sampling = sampling_params(temperature, top_k, top_p, seed)
-    gen = Generator(resolve_bundle(bundle), drafter=drafter, **generator_kwargs(**runtime))
+    gen = make_generator(bundle, drafter, **runtime)
     ids = gen.tokenizer.encode_prompt(prompt, raw)
     stream = gen.stream(ids, max_new_tokens, sampling)
     out: list[int] = []

@@ -57,9 +57,14 @@ def sampling_options(f):
     ])
 
 
-def generator_kwargs(max_seq_len, threads, num_draft_tokens, tree, acceptance, ngram_max, ngram_min) -> dict:
-    return {"max_seq_len": max_seq_len, "threads": threads, "num_draft_tokens": num_draft_tokens, "tree": tree,
-            "acceptance": acceptance, "ngram_max": ngram_max, "ngram_min": ngram_min}
+def make_generator(bundle: Path | None, drafter: str, max_seq_len, threads, num_draft_tokens, tree, acceptance,
+                   ngram_max, ngram_min):
+    """The Generator for a command's BUNDLE argument and `runtime_options`."""
+    from specrt.runtime.generate import Generator
+
+    return Generator(resolve_bundle(bundle), drafter=drafter, max_seq_len=max_seq_len, threads=threads,
+                     num_draft_tokens=num_draft_tokens, tree=tree, acceptance=acceptance,
+                     ngram_max=ngram_max, ngram_min=ngram_min)
 
 
 def sampling_params(temperature, top_k, top_p, seed):
