@@ -14,11 +14,16 @@ PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the
 DRAFTER ?= ngram
 THREADS ?= 2
 SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
+# Learned drafters: `make train` writes $(SPECRT_HOME)/drafters/KIND; `make export` adds every one found.
+KINDS ?= draft medusa eagle eagle3 mtp
+TRAIN_MINUTES ?= 20
+TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
+DRAFTER_FLAGS := $(foreach f,$(TRAINED),--drafter $(notdir $(patsubst %/,%,$(dir $(f)))))
 
-.PHONY: setup export build run test bench validate lint doctor clean distclean help
+.PHONY: setup export build run test bench bench-drafters train validate lint doctor clean distclean help
 
 help:
-	@echo "make run | setup | export | build | test | bench | validate | lint | doctor | clean | distclean"
+	@echo "make run | setup | export | build | test | bench | train | bench-drafters | validate | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +37,8 @@ $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/.installed
 
 setup: $(VENV)/.installed $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-$(BUNDLE)/manifest.json: $(SOURCES) | setup
-	$(SPECRT) export -o $(BUNDLE)
+$(BUNDLE)/manifest.json: $(SOURCES) $(TRAINED) | setup
+	$(SPECRT) export -o $(BUNDLE) $(DRAFTER_FLAGS)
 
 export: $(BUNDLE)/manifest.json
 
@@ -49,6 +54,15 @@ test: setup
 bench: build
 	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers transformers \
 		--json $(SPECRT_HOME)/bench/latest.json
+
+# Self-distil every drafter kind for the default model (data generated once, then ≤ TRAIN_MINUTES each).
+train: setup
+	for k in $(KINDS); do $(SPECRT) train $$k --max-minutes $(TRAIN_MINUTES) || exit 1; done
+
+# Learned drafters on the held-out prompts (2 per category), side by side with plain and ngram.
+bench-drafters: build
+	$(SPECRT) bench $(BUNDLE) --prompts heldout --per-category 2 --threads $(THREADS) --max-new-tokens 128 \
+		--json $(SPECRT_HOME)/bench/drafters.json
 
 validate: build
 	$(SPECRT) validate $(BUNDLE) --lossless --samples 1000

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specrt import __version__
 from specrt.errors import SpecrtError
 from specrt.export.decoder_graph import build_decoder_graph
+from specrt.export.drafter_export import export_drafter
 from specrt.export.loading import LoadedModel, load_model
 from specrt.export.modeling import DecoderLM
 from specrt.plugins.onnx_builder import OPSET
@@ -34,6 +35,7 @@ class ExportOptions:
     draft_model: Path | None = None  # or any HF folder / GGUF sharing the target's tokenizer
     check_parity: bool = True
     progress: bool = True
+    drafters: tuple = ()  # learned drafters: (kind, checkpoint folder or None for the trained default)
 
 
 def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
@@ -57,10 +59,11 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
                           "the drafter must share the target's tokenizer")
 
 
-def _save_graph(module: DecoderLM, folder: Path, role: str, source: str, progress: bool) -> GraphEntry:
+def _save_graph(module: DecoderLM, folder: Path, role: str, source: str, progress: bool,
+                taps: tuple[int, ...] = ()) -> GraphEntry:
     folder.mkdir(parents=True)
     with tqdm(total=module.cfg.num_layers, desc=f"export {role}", unit="layer", disable=not progress) as bar:
-        model = build_decoder_graph(module, name=role, progress=bar.update)
+        model = build_decoder_graph(module, name=role, progress=bar.update, taps=taps)
     path = folder / "decoder.onnx"
     onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
                     location="decoder.onnx.data", size_threshold=1024)
@@ -129,6 +132,22 @@ def _versions() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def load_drafters(target: LoadedModel, requested) -> dict:
+    """Drafter modules by kind: each from its checkpoint folder, or from `specrt train`'s default place."""
+    from specrt.export import drafters
+    from specrt.paths import drafter_dir
+
+    out = {}
+    for kind, path in requested:
+        drafters.kind_spec(kind)
+        folder = Path(path) if path else drafter_dir(kind)
+        if not folder.exists():
+            raise SpecrtError(f"no trained {kind} drafter at {folder}: run `specrt train {kind}` first, "
+                              f"or pass --drafter-weights PATH (a specrt or public {kind} checkpoint)")
+        out[kind] = (drafters.load(folder, target.module), str(folder))
+    return out
+
+
 def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | None = None) -> Manifest:
     """Export `model` (a path, or an already loaded model) and its draft into the bundle folder `out`."""
     opts = opts or ExportOptions()
@@ -136,8 +155,11 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
     with tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress) as steps:
         steps.set_postfix_str("loading weights")
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
+        learned = load_drafters(target, opts.drafters)
         draft_module, draft_source = None, ""
-        if opts.draft_model is not None:
+        if "draft" in learned:  # the fine-tuned truncated draft replaces the plain copy
+            draft_module, draft_source = learned["draft"][0].lm, learned.pop("draft")[1]
+        elif opts.draft_model is not None:
             draft = load_model(opts.draft_model, keep_hf=False)
             check_same_tokenizer(target, draft)
             draft_module, draft_source = draft.module, str(opts.draft_model)
@@ -148,9 +170,15 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
 
         with atomic_dir(out) as tmp:
             steps.set_postfix_str("writing graphs")
-            graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress)}
+            taps = tuple(learned["eagle3"][0].cfg.taps) if "eagle3" in learned else ()
+            graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress,
+                                            taps)}
             if draft_module is not None:
                 graphs["draft"] = _save_graph(draft_module, tmp / "draft", "draft", draft_source, opts.progress)
+            drafter_entries = {}
+            for kind, (module, source) in learned.items():
+                new, drafter_entries[kind] = export_drafter(module, tmp, target.module.cfg, source, opts.check_parity)
+                graphs.update(new)
             steps.update()
 
             steps.set_postfix_str("tokenizer")
@@ -162,6 +190,8 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
             if opts.check_parity:
                 modules = {"target": target.module, "draft": draft_module}
                 for role, entry in graphs.items():
+                    if role not in modules:
+                        continue  # learned drafters were checked as they were written
                     checks[role] = parity(modules[role], tmp / entry.file)
                     worst = max(checks[role].values())
                     if worst > PARITY_TOLERANCE:
@@ -169,6 +199,6 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
                                           f"{PARITY_TOLERANCE} ({checks[role]}); please report this model")
             steps.update()
             manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
-                                artifacts={"parity_max_abs_logits": checks})
+                                artifacts={"parity_max_abs_logits": checks}, drafters=drafter_entries)
             manifest.save(tmp)
     return manifest

@@ -86,8 +86,9 @@ class _DecoderGraph:
             return g.op("Unsqueeze", cos, g.const([1])), g.op("Unsqueeze", sin, g.const([1]))
 
     # ── attention and layers ────────────────────────────────────────────────────────────────
-    def attention(self, i: int, h: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
-        g, cfg, attn = self.g, self.cfg, self.m.model.layers[i].self_attn
+    def attention(self, attn, i: int, h: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
+        """Self-attention of module `attn` over KV buffers past_key.i / past_value.i."""
+        g, cfg = self.g, self.cfg
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         scale = d**-0.5  # folded into the q projection (or into q_norm's weight when there is one)
         with g.scope("self_attn"):
@@ -108,8 +109,8 @@ class _DecoderGraph:
             out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
             return self.linear(out, [attn.o_proj], "o_proj")
 
-    def mlp(self, i: int, h: str) -> str:
-        g, mlp = self.g, self.m.model.layers[i].mlp
+    def mlp(self, mlp, h: str) -> str:
+        g = self.g
         with g.scope("mlp"):
             inter = self.cfg.intermediate_size
             gate, up = g.op("Split", self.linear(h, [mlp.gate_proj, mlp.up_proj], "gate_up_proj"),
@@ -117,49 +118,76 @@ class _DecoderGraph:
             act = g.op("Mul", gate, g.op("Sigmoid", gate))
             return self.linear(g.op("Mul", act, up), [mlp.down_proj], "down_proj")
 
-    def build(self, progress=None):
-        g, cfg = self.g, self.cfg
-        kv_shape = ["batch", cfg.num_kv_heads, "capacity", cfg.head_dim]
+    def layer(self, layer, i: int, x: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
+        h = self.rms_norm(x, *_norm(layer.input_layernorm), "input_layernorm")
+        x = self.g.op("Add", x, self.attention(layer.self_attn, i, h, cos, sin, past_len, tree_mask))
+        h = self.rms_norm(x, *_norm(layer.post_attention_layernorm), "post_attention_layernorm")
+        return self.g.op("Add", x, self.mlp(layer.mlp, h))
+
+    def inputs(self, num_layers: int) -> tuple[str, ...]:
+        """The contract's inputs: input_ids, position_ids, past_len, tree_mask, logits_index, KV."""
+        g = self.g
         input_ids = g.input("input_ids", INT64, ["batch", "tokens"])
         position_ids = g.input("position_ids", INT64, ["batch", "tokens"])
         past_len = g.input("past_len", INT64, ["batch"])
         tree_mask = g.input("tree_mask", BOOL, ["batch", "tokens", "tokens"])
         logits_index = g.input("logits_index", INT64, ["batch", "rows"])
-        for i in range(cfg.num_layers):
-            g.input(f"past_key.{i}", FLOAT, kv_shape)
-            g.input(f"past_value.{i}", FLOAT, kv_shape)
+        for i in range(num_layers):
+            g.input(f"past_key.{i}", FLOAT, self.kv_shape)
+            g.input(f"past_value.{i}", FLOAT, self.kv_shape)
+        return input_ids, position_ids, past_len, tree_mask, logits_index
+
+    @property
+    def kv_shape(self) -> list:
+        return ["batch", self.cfg.num_kv_heads, "capacity", self.cfg.head_dim]
+
+    def lm_head(self, hidden: str, logits_index: str, head: str, vocab: int) -> None:
+        """Logits of the rows `logits_index` asks for, as graph output `logits`."""
+        g, cfg = self.g, self.cfg
+        with g.scope("lm_head"):
+            idx = g.op("Expand", g.op("Unsqueeze", logits_index, g.const([-1])), g.const([1, 1, cfg.hidden_size]))
+            rows = g.op("GatherElements", hidden, idx, axis=1)
+            flat = g.op("Reshape", rows, g.const([-1, cfg.hidden_size]))
+            logits = g.op("Gemm", flat, head, transB=1)
+            logits = g.op("Reshape", logits, g.op("Concat", g.op("Shape", logits_index), g.const([-1]), axis=0))
+        g.output(logits, "logits", FLOAT, ["batch", "rows", vocab])
+
+    def kv_outputs(self, num_layers: int) -> None:
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                self.g.output(f"present_{kind}.{i}", f"present_{kind}.{i}", FLOAT, self.kv_shape)
+
+    def build(self, progress=None, taps: tuple[int, ...] = ()):
+        g, cfg = self.g, self.cfg
+        input_ids, position_ids, past_len, tree_mask, logits_index = self.inputs(cfg.num_layers)
 
         self._prefix = "model"
         with g.scope("model"):
             cos, sin = self.rope_tables(position_ids)
             embed = g.weight("model.embed_tokens.weight", _np(self.m.model.embed_tokens.weight))
             x = g.op("Gather", embed, input_ids, name="embed_tokens")
+            captured = []
             for i, layer in enumerate(self.m.model.layers):
+                if i in taps:
+                    captured.append(x)
                 self._prefix = f"model.layers.{i}"
                 with g.scope(f"layers.{i}"):
-                    h = self.rms_norm(x, *_norm(layer.input_layernorm), "input_layernorm")
-                    x = g.op("Add", x, self.attention(i, h, cos, sin, past_len, tree_mask))
-                    h = self.rms_norm(x, *_norm(layer.post_attention_layernorm), "post_attention_layernorm")
-                    x = g.op("Add", x, self.mlp(i, h))
+                    x = self.layer(layer, i, x, cos, sin, past_len, tree_mask)
                 if progress:
                     progress(1)
             self._prefix = "model"
             hidden = self.rms_norm(x, *_norm(self.m.model.norm), "norm")
-        with g.scope("lm_head"):
-            idx = g.op("Expand", g.op("Unsqueeze", logits_index, g.const([-1])), g.const([1, 1, cfg.hidden_size]))
-            rows = g.op("GatherElements", hidden, idx, axis=1)
-            head = embed if cfg.tie_word_embeddings else g.weight("lm_head.weight", _np(self.m.lm_head.weight))
-            flat = g.op("Reshape", rows, g.const([-1, cfg.hidden_size]))
-            logits = g.op("Gemm", flat, head, transB=1)
-            logits = g.op("Reshape", logits, g.op("Concat", g.op("Shape", logits_index), g.const([-1]), axis=0))
-        g.output(logits, "logits", FLOAT, ["batch", "rows", cfg.vocab_size])
+        head = embed if cfg.tie_word_embeddings else g.weight("lm_head.weight", _np(self.m.lm_head.weight))
+        self.lm_head(hidden, logits_index, head, cfg.vocab_size)
         g.output(hidden, "hidden_states", FLOAT, ["batch", "tokens", cfg.hidden_size])
-        for i in range(cfg.num_layers):
-            g.output(f"present_key.{i}", f"present_key.{i}", FLOAT, kv_shape)
-            g.output(f"present_value.{i}", f"present_value.{i}", FLOAT, kv_shape)
+        if taps:  # inputs of the tapped layers (EAGLE-3's low / middle / high features)
+            aux = g.op("Concat", *captured, axis=-1, name="aux_hidden_states")
+            g.output(aux, "aux_hidden_states", FLOAT, ["batch", "tokens", len(taps) * cfg.hidden_size])
+        self.kv_outputs(cfg.num_layers)
         return g.model(doc=f"specrt decoder ({cfg.model_type}, {cfg.num_layers} layers)")
 
 
-def build_decoder_graph(module: DecoderLM, name: str = "decoder", progress=None):
-    """The decoder ONNX ModelProto (weights inline; save it with external data)."""
-    return _DecoderGraph(module, name).build(progress)
+def build_decoder_graph(module: DecoderLM, name: str = "decoder", progress=None, taps: tuple[int, ...] = ()):
+    """The decoder ONNX ModelProto (weights inline; save it with external data). `taps`: layers whose
+    inputs are also output, concatenated, as `aux_hidden_states`."""
+    return _DecoderGraph(module, name).build(progress, taps)

@@ -64,19 +64,20 @@ def attention_mask(past_len: torch.Tensor, tree_mask: torch.Tensor, total: int) 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, in_features: int | None = None):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = in_features or cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, past_len):
+    def project(self, x, cos, sin):
+        """q [B, heads, T, d] and k, v [B, kv_heads, T, d], RoPE applied (q unscaled)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim)
@@ -85,14 +86,13 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        for i in range(b):  # write the new rows in place (ONNX: TensorScatter)
-            p = int(past_len[i])
-            k_cache[i, :, p : p + t] = k[i]
-            v_cache[i, :, p : p + t] = v[i]
-        total = mask.shape[-1]
-        keys, values = k_cache[:, :, :total], v_cache[:, :, :total]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q, keys, values, mask):
+        """softmax(q·k/√d + mask)·v then o_proj; keys/values [B, kv_heads, L, d], mask [B, 1, T, L]."""
+        cfg = self.cfg
+        b, _, t, _ = q.shape
+        total = keys.shape[2]
         # GQA without repeating K/V: group the query heads of each KV head together.
         g = cfg.kv_groups
         qg = q.reshape(b, cfg.num_kv_heads, g * t, cfg.head_dim)
@@ -101,6 +101,16 @@ class Attention(nn.Module):
         probs = scores.softmax(-1).view(b, cfg.num_kv_heads, g * t, total)
         out = (probs @ values).view(b, cfg.num_heads, t, cfg.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, past_len):
+        q, k, v = self.project(x, cos, sin)
+        t = x.shape[1]
+        for i in range(x.shape[0]):  # write the new rows in place (ONNX: TensorScatter)
+            p = int(past_len[i])
+            k_cache[i, :, p : p + t] = k[i]
+            v_cache[i, :, p : p + t] = v[i]
+        total = mask.shape[-1]
+        return self.attend(q, k_cache[:, :, :total], v_cache[:, :, :total], mask)
 
 
 class MLP(nn.Module):
@@ -150,14 +160,21 @@ class DecoderLM(nn.Module):
         return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.cfg.num_layers)]
 
     @torch.no_grad()
-    def forward(self, input_ids, position_ids, past_len, tree_mask, kv, logits_index=None):
+    def forward(self, input_ids, position_ids, past_len, tree_mask, kv, logits_index=None, taps=()):
+        """(logits, hidden_states) — plus the inputs of the layers in `taps`, concatenated on the
+        feature axis, when `taps` is given (EAGLE-3's low/middle/high features)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.cfg, position_ids)
         total = int(past_len.max()) + input_ids.shape[1]
         mask = attention_mask(past_len, tree_mask, total)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv, strict=True):
+        captured = []
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv, strict=True)):
+            if i in taps:
+                captured.append(x)
             x = layer(x, cos, sin, mask, k_cache, v_cache, past_len)
         hidden = self.model.norm(x)
         rows = hidden if logits_index is None else torch.gather(
             hidden, 1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+        if taps:
+            return self.lm_head(rows), hidden, torch.cat(captured, -1)
         return self.lm_head(rows), hidden

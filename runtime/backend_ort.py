@@ -27,7 +27,11 @@ def session_options(threads: int) -> ort.SessionOptions:
 
 
 class OrtDecoder:
-    """A decoder graph with its own KV cache of `capacity` rows per sequence."""
+    """A decoder graph with its own KV cache of `capacity` rows per sequence.
+
+    Any graph following the contract works: the target and draft LMs, and the learned drafters'
+    layers (which take extra inputs such as `hidden_in`, passed to `run` by name).
+    """
 
     def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1):
         if not Path(path).is_file():
@@ -40,8 +44,10 @@ class OrtDecoder:
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.kv = [np.zeros(shape, np.float32) for _ in range(2 * cfg.num_layers)]
         self.binding = self.session.io_binding()
-        self.binding.bind_output("logits")  # bound first: get_outputs() lists them at 0 and 1
-        self.binding.bind_output("hidden_states")
+        # outputs other than the KV buffers, bound first so get_outputs() lists them in this order
+        self.output_names = [o.name for o in self.session.get_outputs() if not o.name.startswith("present_")]
+        for name in self.output_names:
+            self.binding.bind_output(name)
         for i in range(cfg.num_layers):
             for j, kind in enumerate(("key", "value")):
                 value = ort.OrtValue.ortvalue_from_numpy(self.kv[2 * i + j])
@@ -49,8 +55,14 @@ class OrtDecoder:
                 self.binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
-            tree_mask: np.ndarray, logits_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One forward pass; returns (logits [B,R,V], hidden_states [B,T,H]). KV is updated in place."""
+        outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
+        return outs["logits"], outs["hidden_states"]
+
+    def run_all(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
+                tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> dict[str, np.ndarray]:
+        """One forward pass; every non-KV output by name (e.g. aux_hidden_states)."""
         end = int(past_len.max()) + input_ids.shape[1]
         if end > self.capacity:
             raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
@@ -60,11 +72,12 @@ class OrtDecoder:
         b.bind_cpu_input("past_len", past_len)
         b.bind_cpu_input("tree_mask", tree_mask)
         b.bind_cpu_input("logits_index", logits_index)
-        b.bind_output("logits")
-        b.bind_output("hidden_states")
+        for name, value in extra.items():
+            b.bind_cpu_input(name, np.ascontiguousarray(value, np.float32))
+        for name in self.output_names:
+            b.bind_output(name)
         self.session.run_with_iobinding(b)
-        outs = b.get_outputs()
-        return outs[0].numpy(), outs[1].numpy()
+        return {name: v.numpy() for name, v in zip(self.output_names, b.get_outputs(), strict=False)}
 
     def compact(self, dst: int, rows: list[int]) -> None:
         """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer."""

@@ -27,7 +27,9 @@ class Prompt:
     prompt: str
 
 
-def load_prompts(path: Path) -> list[Prompt]:
+def load_prompts(path: Path, split: str | None = None, per_category: int | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file; `split` keeps rows whose "split" matches (the training corpus's
+    "heldout" prompts), `per_category` the first N of each category."""
     path = Path(path)
     if not path.is_file():
         raise SpecrtError(f"prompts file {path} does not exist: pass a JSONL file with one {{\"prompt\": ...}} per line")
@@ -41,9 +43,19 @@ def load_prompts(path: Path) -> list[Prompt]:
             raise SpecrtError(f"{path}:{n}: not valid JSON ({e.msg}): each line must be a JSON object") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise SpecrtError(f"{path}:{n}: each line needs a string field \"prompt\"")
+        if split is not None and obj.get("split") != split:
+            continue
         prompts.append(Prompt(str(obj.get("id", n)), str(obj.get("category", "default")), obj["prompt"]))
+    if per_category:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for p in prompts:
+            seen[p.category] += 1
+            if seen[p.category] <= per_category:
+                kept.append(p)
+        prompts = kept
     if not prompts:
-        raise SpecrtError(f"{path} holds no prompts")
+        raise SpecrtError(f"{path} holds no prompts" + (f" of split {split!r}" if split else ""))
     return prompts
 
 
@@ -89,7 +101,8 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
                                  "new_tokens": st.new_tokens, "seconds": round(st.seconds, 4),
                                  "tokens_per_s": round(st.tokens_per_s, 3),
                                  "mean_accepted_len": round(st.mean_accepted_len, 4),
-                                 "acceptance_rate": round(st.acceptance_rate, 4),
+                                 "acceptance_rate": round(st.acceptance_rate, 4), "steps": st.steps,
+                                 "accepted_per_position": st.accepted_per_position,
                                  "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()}})
                     outputs[(name, p.id, rep)] = res.token_ids
                     bar.update()
@@ -131,9 +144,14 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
         name = key[0] if by_category else key
         ratios = [tps[(name, i)] / tps[("plain", i)] for i in ids if tps.get(("plain", i))]
         taus = [r["mean_accepted_len"] for r in rs if r["mean_accepted_len"] is not None]
+        steps = sum(r.get("steps") or 0 for r in rs)
+        depth = max((len(r.get("accepted_per_position") or []) for r in rs), default=0)
+        per_pos = [sum((r.get("accepted_per_position") or [])[d:d + 1] or [0] for r in rs) for d in range(depth)]
         entry = {"tokens_per_s_median": round(statistics.median(tps[(name, i)] for i in ids), 2),
                  "speedup_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
                  "mean_accepted_len": round(statistics.fmean(taus), 3) if taus else None,
+                 # share of verify steps that accepted a draft at depth 1, 2, ... (τ = 1 + their sum)
+                 "acceptance_by_position": [round(c / steps, 3) for c in per_pos] if steps else [],
                  "identical": (f"{sum(bool(r['identical_to_plain']) for r in rs)}/{len(rs)}"
                                if all(r["identical_to_plain"] is not None for r in rs) else "n/a (sampling)")}
         out["/".join(key) if by_category else key] = entry
@@ -141,9 +159,10 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>16}"]
+    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>16}  accepted at depth 1,2,3,…"]
     for name, s in summary.items():
         sp = f"{s['speedup_vs_plain']:.2f}" if s["speedup_vs_plain"] is not None else "-"
         tau = f"{s['mean_accepted_len']:.2f}" if s["mean_accepted_len"] is not None else "-"
-        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>16}")
+        pos = " ".join(f"{a:.2f}" for a in s.get("acceptance_by_position", [])[:6])
+        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>16}  {pos}")
     return "\n".join(lines)

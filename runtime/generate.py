@@ -26,6 +26,7 @@ from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.acceptance import LOSSY, Window, acceptance_for
 from specrt.runtime.backend_ort import OrtDecoder
 from specrt.runtime.drafters import DrafterContext, make_drafter
+from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.manifest import Manifest
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.tokenizer import Tokenizer
@@ -109,12 +110,15 @@ class Generator:
             raise SpecrtError(f"--max-seq-len {self.capacity} is too small: it must be at least 2")
         self.k = int(num_draft_tokens)
         self.tree = resolve_tree(tree, self.k)
+        self.tree_given = tree is not None
         self.acceptance = acceptance
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.target = OrtDecoder(self.manifest.onnx_path(self.bundle, "target"), cfg, self.capacity, threads)
         self.threads = threads
         self.drafter_options = drafter_options
+        aux = [o for o in self.target.session.get_outputs() if o.name == "aux_hidden_states"]
+        self.state = TargetState.allocate(self.capacity + 1, cfg.hidden_size, aux[0].shape[-1] if aux else None)
         self._drafters: dict = {}
         self.use(drafter)
 
@@ -124,6 +128,9 @@ class Generator:
         key = (drafter, tree)
         if key not in self._drafters:
             shape = self.tree if tree is None else resolve_tree(tree, self.k)
+            stored = self.manifest.drafter_tree(drafter)
+            if tree is None and not self.tree_given and stored:  # the tree exported with the drafter
+                shape = Tree.from_paths(stored)
             ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads, shape,
                                  dict(self.drafter_options))
             self._drafters[key] = make_drafter(drafter, ctx)
@@ -145,11 +152,14 @@ class Generator:
         stats = Stats()
         t0 = time.perf_counter()
         tokens = list(prompt_ids)
-        self.drafter.observe(tokens)
+        needs_hidden = getattr(self.drafter, "needs_hidden", False)
         with _Timer(stats, "prefill"):
             first = self._pick(self.forward(tokens, 0, rows=[len(tokens) - 1])[0], sampling, rng)
+            if needs_hidden:
+                self.state.write(np.arange(len(tokens)), self._outs, np.arange(len(tokens)))
         out: list[int] = []
         finish = self._emit([first], out, tokens, max_new_tokens)
+        self.drafter.observe(tokens, self.state)
         yield [first]
         while finish is None:
             if len(tokens) > self.capacity:  # no row left for the next pass
@@ -172,10 +182,12 @@ class Generator:
                 rows = [past + n for n in path]
                 if rows != list(range(past + 1, past + 1 + len(path))):
                     self.target.compact(past + 1, rows)
+                if needs_hidden:  # the root's and the accepted nodes' target states
+                    self.state.write(np.arange(past, past + 1 + len(path)), self._outs, [0, *path])
                 stats.record(len(prop), len(path))
                 kept = len(out)
                 finish = self._emit(new, out, tokens, max_new_tokens)
-                self.drafter.observe(tokens)
+                self.drafter.observe(tokens, self.state)
             yield out[kept:]
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
@@ -186,9 +198,9 @@ class Generator:
         returns logits [R, V] for window `rows` (default: all)."""
         tree = tree or Tree.chain(len(window) - 1)
         rows = np.arange(tree.size) if rows is None else rows
-        logits, _ = self.target.run(np.asarray([window], np.int64), (past + tree.depth)[None],
-                                    np.array([past], np.int64), tree.mask[None], np.asarray([rows], np.int64))
-        return logits[0]
+        self._outs = self.target.run_all(np.asarray([window], np.int64), (past + tree.depth)[None],
+                                         np.array([past], np.int64), tree.mask[None], np.asarray([rows], np.int64))
+        return self._outs["logits"][0]
 
     @staticmethod
     def _pick(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:

@@ -48,10 +48,28 @@ class Manifest:
     versions: dict
     schema_version: int = SCHEMA_VERSION
     artifacts: dict = field(default_factory=dict)  # engines built from the graphs, by backend
+    drafters: dict = field(default_factory=dict)  # learned drafters by kind: {"graphs", "config", ...}
 
     @property
     def target(self) -> GraphEntry:
         return self.graphs["target"]
+
+    def drafter(self, kind: str, bundle: Path) -> dict:
+        """The manifest entry of learned drafter `kind`, or a clear error naming the export to run."""
+        if kind not in self.drafters:
+            have = ", ".join(sorted(self.drafters)) or "none"
+            raise SpecrtError(f"bundle {bundle} has no {kind} drafter (it has: {have}): export it with "
+                              f"`specrt export --drafter {kind}` (train one first with `specrt train {kind}`)")
+        return self.drafters[kind]
+
+    def drafter_tree(self, runtime_name: str) -> list | None:
+        """The static tree (list of paths) stored with a learned drafter, if any."""
+        from specrt.runtime.drafters import LEARNED
+
+        for kind, names in LEARNED.items():
+            if runtime_name in names and kind in self.drafters:
+                return self.drafters[kind].get("tree")
+        return None
 
     def onnx_path(self, bundle: Path, role: str) -> Path:
         """The graph to load for `role` on ONNX Runtime: the `specrt build` artifact if there is one."""
@@ -62,7 +80,8 @@ class Manifest:
 
     def to_json(self) -> str:
         d = {"schema_version": self.schema_version, "versions": self.versions, "tokenizer": self.tokenizer,
-             "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts}
+             "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts,
+             "drafters": self.drafters}
         return json.dumps(d, indent=2)
 
     def save(self, bundle: Path) -> None:
@@ -86,7 +105,8 @@ class Manifest:
                                   f"{SCHEMA_VERSION}: export the bundle again")
             graphs = {k: GraphEntry.from_dict(g) for k, g in d["graphs"].items()}
             return cls(graphs=graphs, tokenizer=d["tokenizer"], versions=d["versions"],
-                       schema_version=d["schema_version"], artifacts=d.get("artifacts", {}))
+                       schema_version=d["schema_version"], artifacts=d.get("artifacts", {}),
+                       drafters=d.get("drafters", {}))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise SpecrtError(f"{path} is corrupt ({type(e).__name__}: {e}): export the bundle again") from None
 

@@ -20,3 +20,12 @@ def default_bundle() -> Path:
 
 def models_dir() -> Path:
     return home() / "models"
+
+
+def drafter_dir(kind: str) -> Path:
+    """Where `specrt train KIND` saves the drafter for the default model (and export looks for it)."""
+    return home() / "drafters" / kind
+
+
+def train_cache_dir() -> Path:
+    return home() / "train" / "cache"

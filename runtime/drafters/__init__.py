@@ -1,7 +1,8 @@
 """Drafters propose a tree of tokens for the target to verify; one small protocol, registered by name.
 
     drafter.propose(tokens, limits, sampling, rng) -> Proposal   (nodes after the last token)
-    drafter.observe(tokens)                                       (the committed sequence; re-sync state)
+    drafter.observe(tokens, state)                                (the committed sequence and the target's
+                                                                   hidden states of all but its last token)
 
 A `Proposal` lists drafted tokens in window order (parents before children, siblings in rank
 order) with each node's window parent (0 = the root, i.e. the last committed token) and, for
@@ -71,10 +72,14 @@ class Drafter(Protocol):
     def propose(self, tokens: list[int], max_nodes: int, max_depth: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Proposal: ...
 
-    def observe(self, tokens: list[int]) -> None: ...
+    def observe(self, tokens: list[int], state=None) -> None: ...
 
 
 DRAFTERS: dict[str, Callable[[DrafterContext], Drafter]] = {}
+
+# learned drafter kinds (bundle manifest "drafters") -> the runtime drafters that use their graphs
+LEARNED: dict[str, tuple[str, ...]] = {"medusa": ("medusa",), "eagle": ("eagle", "eagle2"), "eagle3": ("eagle3",),
+                                       "mtp": ("mtp",)}
 
 
 def register(name: str):
@@ -86,7 +91,7 @@ def register(name: str):
 
 
 def make_drafter(name: str, ctx: DrafterContext) -> Drafter:
-    from specrt.runtime.drafters import draft_model, ngram, plain  # noqa: F401  (registration)
+    from specrt.runtime.drafters import draft_model, eagle, medusa, mtp, ngram, plain  # noqa: F401  (registration)
 
     if name not in DRAFTERS:
         raise SpecrtError(f"unknown drafter {name!r}: choose one of {', '.join(sorted(DRAFTERS))}")

@@ -78,7 +78,7 @@ class DraftModel:
         q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
         return Proposal([window[i] for i in keep], renumber(keep, shape.parents), q)
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, tokens: list[int], state=None) -> None:
         n = 0
         limit = min(len(self.cached), len(tokens))
         while n < limit and self.cached[n] == tokens[n]:

@@ -89,5 +89,5 @@ class NGram:
         paths = continuations(tokens, k, self.max_n, self.min_n, limit=self.branches)
         return trie(paths, min(self.nodes, max_nodes))
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, tokens: list[int], state=None) -> None:
         pass

@@ -15,5 +15,5 @@ class Plain:
     def propose(self, tokens, max_nodes, max_depth, sampling, rng) -> Proposal:
         return Proposal()
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, tokens: list[int], state=None) -> None:
         pass

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.options import (
+    available_drafters,
     bundle_argument,
     make_generator,
     runtime_options,
@@ -21,10 +22,22 @@ def default_prompts() -> Path:
     return Path(str(resources.files("specrt") / "data" / "bench_prompts.jsonl"))
 
 
+def _prompts(spec: str | None, per_category: int | None):
+    from specrt.runtime.bench import load_prompts
+
+    if spec == "heldout":
+        return load_prompts(Path(str(resources.files("specrt") / "data" / "train_prompts.jsonl")), "heldout",
+                            per_category)
+    return load_prompts(Path(spec) if spec else default_prompts(), None, per_category)
+
+
 @click.command("bench")
 @bundle_argument
-@click.option("--prompts", type=click.Path(path_type=Path), default=None,
-              help="JSONL file, one {\"prompt\", \"category\"?, \"id\"?} per line. Default: specrt's mixed set.")
+@click.option("--prompts", default=None,
+              help="JSONL file, one {\"prompt\", \"category\"?, \"id\"?} per line; or 'heldout': the training "
+                   "corpus's held-out prompts (never trained on). Default: specrt's mixed set.")
+@click.option("--per-category", type=click.IntRange(min=1), default=None,
+              help="Use only the first N prompts of each category.")
 @click.option("--drafters", default=None, help="Comma-separated drafters. Default: every drafter the bundle has.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
@@ -36,21 +49,21 @@ def default_prompts() -> Path:
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @runtime_options
 @sampling_options
-def command(bundle, prompts, drafters, max_new_tokens, repeats, peer_names, trees, raw, json_out,
+def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, trees, raw, json_out,
             temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.peers import make_peers
-    from specrt.runtime.bench import format_table, load_prompts, run_bench
+    from specrt.runtime.bench import format_table, run_bench
 
     gen = make_generator(bundle, "plain", **runtime)
     if drafters:
         names = [d.strip() for d in drafters.split(",") if d.strip()]
     else:
-        names = ["plain", "ngram"] + (["draft"] if "draft" in gen.manifest.graphs else [])
+        names = available_drafters(gen.manifest)
     peers = make_peers([p.strip() for p in peer_names.split(",") if p.strip()], gen.manifest, gen.threads)
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
     sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
-    result = run_bench(gen, load_prompts(prompts or default_prompts()), names, max_new_tokens, repeats, peers, raw,
+    result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
                        trees=tree_list, sampling=sampling)
     click.echo(format_table(result["summary"]))
     click.echo("\nby category:")

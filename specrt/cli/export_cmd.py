@@ -18,20 +18,35 @@ from specrt.paths import default_bundle
               help="Export a layer-truncated copy of the target (first N layers) as the draft model; 0: none.")
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None,
               help="Export this model (same tokenizer) as the draft instead of a truncated copy.")
+@click.option("--drafter", "drafter_kinds", multiple=True,
+              type=click.Choice(["draft", "medusa", "eagle", "eagle3", "mtp"]),
+              help="Add a learned drafter (repeatable). Its weights come from --drafter-weights, else from "
+                   "`specrt train KIND`'s output ($SPECRT_HOME/drafters/KIND). 'draft' replaces the plain "
+                   "truncated copy by the fine-tuned one.")
+@click.option("--drafter-weights", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint folder for the (single) --drafter: a specrt checkpoint or a public Medusa / "
+                   "EAGLE / EAGLE-3 / MTP layout (safetensors, or .bin read with weights_only).")
 @click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
-def command(model, output, draft_layers, draft_model, no_parity_check):
+def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.bundle import ExportOptions, export_bundle
     from specrt.export.default_model import default_model_path
 
     model = model if model is not None else default_model_path()
     out = output if output is not None else default_bundle()
+    if drafter_weights is not None and len(drafter_kinds) != 1:
+        raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
+    learned = tuple((k, drafter_weights) for k in dict.fromkeys(drafter_kinds))
     opts = ExportOptions(draft_layers=draft_layers or None, draft_model=draft_model,
-                         check_parity=not no_parity_check)
+                         check_parity=not no_parity_check, drafters=learned)
     manifest = export_bundle(model, out, opts)
     checks = manifest.artifacts.get("parity_max_abs_logits", {})
     for role, g in manifest.graphs.items():
         worst = max(checks[role].values()) if role in checks else None
         note = f", parity max |Δlogits| {worst:.1e}" if worst is not None else ""
         click.echo(f"{role}: {g.file} ({g.config.num_layers} layers{note})")
+    for kind, entry in manifest.drafters.items():
+        worst = max(entry["parity_max_abs"].values(), default=None)
+        note = f", parity max |Δ| {worst:.1e}" if worst is not None else ""
+        click.echo(f"drafter {kind}: {', '.join(entry['graphs'])}{note}")
     click.echo(f"bundle written: {out}")

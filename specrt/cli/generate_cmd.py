@@ -19,7 +19,8 @@ from specrt.cli.options import (
 @click.command("generate")
 @bundle_argument
 @click.option("--prompt", required=True, help="The user prompt (chat-templated unless --raw).")
-@click.option("--drafter", default="plain", show_default=True, help="plain, ngram or draft.")
+@click.option("--drafter", default="plain", show_default=True, help="plain, ngram, draft, medusa, eagle, eagle2, eagle3 or mtp (learned drafters: export them with "
+              "--drafter KIND).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")

@@ -43,6 +43,10 @@ def runtime_options(f):
                      help="ngram drafter: longest suffix to match."),
         click.option("--ngram-min", type=click.IntRange(min=1), default=1, show_default=True,
                      help="ngram drafter: shortest suffix to match."),
+        click.option("--tree-nodes", type=click.IntRange(min=1, max=64), default=None,
+                     help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default 10)."),
+        click.option("--beam", type=click.IntRange(min=1, max=16), default=None,
+                     help="eagle2/eagle3 dynamic tree: nodes expanded per depth, children per node (default 4)."),
     ])
 
 
@@ -58,16 +62,26 @@ def sampling_options(f):
 
 
 def make_generator(bundle: Path | None, drafter: str, max_seq_len, threads, num_draft_tokens, tree, acceptance,
-                   ngram_max, ngram_min):
+                   ngram_max, ngram_min, tree_nodes=None, beam=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`."""
     from specrt.runtime.generate import Generator
 
     return Generator(resolve_bundle(bundle), drafter=drafter, max_seq_len=max_seq_len, threads=threads,
                      num_draft_tokens=num_draft_tokens, tree=tree, acceptance=acceptance,
-                     ngram_max=ngram_max, ngram_min=ngram_min)
+                     ngram_max=ngram_max, ngram_min=ngram_min, tree_nodes=tree_nodes, beam=beam)
 
 
 def sampling_params(temperature, top_k, top_p, seed):
     from specrt.runtime.sampling import SamplingParams
 
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def available_drafters(manifest) -> list[str]:
+    """Every runtime drafter the bundle can run: plain, ngram, the draft model and learned drafters."""
+    from specrt.runtime.drafters import LEARNED
+
+    names = ["plain", "ngram"] + (["draft"] if "draft" in manifest.graphs else [])
+    for kind in manifest.drafters:
+        names += list(LEARNED.get(kind, ()))
+    return names

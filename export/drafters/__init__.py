@@ -1,0 +1,137 @@
+"""Learned drafters: one registered spec per kind (module, config, checkpoint I/O, ONNX graphs).
+
+A drafter checkpoint is a folder: `config.json` ({"kind", "decoder": target dims, kind fields})
+and `model.safetensors` with the drafter's own weights. The target's embedding and LM head are
+never stored: they are attached from the target when the checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+from specrt.export.drafters.draft import DraftConfig, TruncatedDraft
+from specrt.export.drafters.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
+from specrt.export.drafters.medusa import MedusaConfig, MedusaHeads
+from specrt.export.drafters.mtp import MtpConfig, MtpModules
+from specrt.export.modeling import DecoderLM
+from specrt.runtime.config import DecoderConfig
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    config_cls: type
+    module_cls: Callable
+    shares_lm_head: Callable  # config -> bool: the target's LM head is attached
+    summary: str
+
+
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (
+    DrafterKind("draft", DraftConfig, TruncatedDraft, lambda c: True,
+                "the target's first N layers, fine-tuned (a vanilla draft model)"),
+    DrafterKind("medusa", MedusaConfig, MedusaHeads, lambda c: not c.own_heads,
+                "K residual heads on the last hidden state, static top-k tree"),
+    DrafterKind("eagle", EagleConfig, EagleHead, lambda c: True,
+                "one layer over (token, feature); EAGLE-1 static tree or EAGLE-2 dynamic tree"),
+    DrafterKind("eagle3", Eagle3Config, Eagle3Head, lambda c: False,
+                "fused low/mid/high target features, reduced draft vocabulary, dynamic tree"),
+    DrafterKind("mtp", MtpConfig, MtpModules, lambda c: True,
+                "DeepSeek-style MTP modules, cascaded or one reused"),
+)}
+
+
+def kind_spec(name: str) -> DrafterKind:
+    if name not in KINDS:
+        raise SpecrtError(f"unknown drafter kind {name!r}: choose one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def make_config(kind: str, **fields_) -> object:
+    spec = kind_spec(kind)
+    known = {f.name for f in fields(spec.config_cls)}
+    bad = sorted(set(fields_) - known)
+    if bad:
+        raise SpecrtError(f"{kind} drafter has no setting {', '.join(bad)}: known {', '.join(sorted(known - {'kind'}))}")
+    return spec.config_cls(**fields_)
+
+
+def build(cfg, target: DecoderLM):
+    """A fresh drafter module for `target` with the target's shared weights attached."""
+    spec = kind_spec(cfg.kind)
+    module = spec.module_cls(cfg, target.cfg)
+    head = target.lm_head.weight if spec.shares_lm_head(cfg) else None
+    module.attach_target(target.model.embed_tokens.weight, head)
+    if hasattr(module, "init_from"):
+        module.init_from(target)
+    return module
+
+
+def save(module, folder: Path) -> None:
+    """config.json + model.safetensors, written to a temporary folder then renamed."""
+    from safetensors.torch import save_file
+
+    from specrt.export.bundle import atomic_dir
+
+    with atomic_dir(Path(folder)) as tmp:
+        state = {k: v.detach().contiguous() for k, v in module.trainable_state().items()}
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "kind": module.cfg.kind})
+        meta = {**asdict(module.cfg), "decoder": module.dec.to_dict()}  # the dims it was made for
+        (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
+
+
+def read_config(folder: Path) -> tuple[object, DecoderConfig]:
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise SpecrtError(f"{path} is missing: {folder} is not a specrt drafter checkpoint "
+                          "(train one with `specrt train KIND`, or pass a public Medusa/EAGLE/MTP checkpoint)")
+    try:
+        meta = json.loads(path.read_text())
+        dec = DecoderConfig.from_dict(meta.pop("decoder"))
+        return make_config(meta.pop("kind"), **meta), dec
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecrtError(f"{path} is not a valid drafter config ({type(e).__name__}: {e})") from None
+
+
+def load(folder: Path, target: DecoderLM):
+    """Load a specrt drafter checkpoint for `target` (safetensors only; nothing is unpickled)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    from specrt.export.drafters import public  # local import: public imports this module
+
+    if public.is_public(folder):  # config.json without "kind": a public Medusa / EAGLE / EAGLE-3 / MTP layout
+        return public.load_public(folder, target)
+    cfg, dec = read_config(folder)
+    check_target(dec, target.cfg, folder)
+    module = build(cfg, target)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise SpecrtError(f"{weights} is missing: the drafter checkpoint is incomplete; train or copy it again")
+    load_state(module, load_file(weights), weights)
+    return module.eval()
+
+
+def load_state(module, state: dict, source) -> None:
+    own = module.trainable_state()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise SpecrtError(f"{source} does not match a {module.cfg.kind} drafter for this target: "
+                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise SpecrtError(f"{source}: {k} has shape {tuple(v.shape)}, this target needs {tuple(own[k].shape)}")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+
+
+def check_target(dec: DecoderConfig, target: DecoderConfig, source) -> None:
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(dec, name) != getattr(target, name):
+            raise SpecrtError(f"drafter {source} was made for {name} {getattr(dec, name)}, the target has "
+                              f"{getattr(target, name)}: use a drafter trained for this target")
+

@@ -1,0 +1,91 @@
+"""What every learned drafter module shares: config I/O, frozen target weights, one decoder layer.
+
+A *feature drafter* (EAGLE, EAGLE-3, MTP) runs one decoder layer over rows r = 0, 1, ...; row r
+takes the token x[r+1] and a hidden vector (the target's, or the drafter's own from an earlier
+step) and predicts x[r+2]:
+
+    mix(x[r+1], hidden[r]) ─► (attention input, residual) ─► layer ─► out[r] ─► head ─► logits[r]
+
+Only `mix` and `head` differ between kinds. Inference writes K/V rows into a cache like the target
+(`step`); training attends over explicit key sets with any boolean mask (`layer_train`), which is
+how multi-step "training-time test" unrolling is expressed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specrt.export.modeling import DecoderLayer, attention_mask, rope_cos_sin
+from specrt.plugins.tree_attention import MASK_VALUE
+from specrt.runtime.config import DecoderConfig
+
+SHARED = ("embed_tokens.weight", "lm_head.weight")  # copied from the target; never saved with a drafter
+
+
+class FrozenTargetWeights(nn.Module):
+    """Holds the target's embedding and LM head (frozen) for a drafter that shares them."""
+
+    shares_head = False
+
+    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        self.shares_head = lm_head is not None
+        self.embed_tokens = nn.Embedding.from_pretrained(embed.detach().float().clone(), freeze=True)
+        if lm_head is not None:
+            self.lm_head = nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
+            self.lm_head.weight = nn.Parameter(lm_head.detach().float().clone(), requires_grad=False)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint stores (everything but the shared target weights)."""
+        shared = SHARED if self.shares_head else SHARED[:1]
+        return {k: v for k, v in self.state_dict().items() if k not in shared}
+
+
+class FeatureDrafter(FrozenTargetWeights):
+    """Base of EAGLE / EAGLE-3 / MTP modules: `layer` is a `DecoderLayer`-shaped module."""
+
+    dec: DecoderConfig
+    layer: DecoderLayer
+
+    def mix(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads (the layer output, or its norm)."""
+        return out
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.head_input(out))
+
+    def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = residual + attn_out
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    @torch.no_grad()
+    def step(self, input_ids, hidden, position_ids, past_len, tree_mask, kv):
+        """Inference with a KV cache (the ONNX graph's semantics): (logits [B,T,V'], out [B,T,H])."""
+        x_attn, residual = self.mix(input_ids, hidden)
+        cos, sin = rope_cos_sin(self.dec, position_ids)
+        mask = attention_mask(past_len, tree_mask, int(past_len.max()) + input_ids.shape[1])
+        k_cache, v_cache = kv
+        out = self._finish(residual, self.layer.self_attn(x_attn, cos, sin, mask, k_cache, v_cache, past_len))
+        return self.head(out), out
+
+    def layer_train(self, input_ids, hidden, cos, sin, past: list, mask: torch.Tensor):
+        """One layer pass for training. Queries attend over cat(past keys, own keys) where the boolean
+        `mask` [T, L] allows; returns (out [B,T,H], (k, v)) so later steps can attend to these rows."""
+        x_attn, residual = self.mix(input_ids, hidden)
+        attn = self.layer.self_attn
+        q, k, v = attn.project(x_attn, cos, sin)
+        keys = torch.cat([*(p[0] for p in past), k], 2)
+        values = torch.cat([*(p[1] for p in past), v], 2)
+        additive = torch.where(mask, 0.0, MASK_VALUE).to(q.dtype)[None, None]
+        return self._finish(residual, attn.attend(q, keys, values, additive)), (k, v)
+
+    def new_kv(self, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch, self.dec.num_kv_heads, capacity, self.dec.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+
+def one_layer(dec: DecoderConfig) -> DecoderConfig:
+    return dec.truncated(1)

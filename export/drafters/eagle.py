@@ -1,0 +1,110 @@
+"""EAGLE-1/2 and EAGLE-3 heads: one decoder layer that drafts over features autoregressively.
+
+EAGLE-1/2 (`eagle`): row r fuses the next token's embedding with a feature vector,
+
+    fc(concat(embed(x[r+1]), f[r])) ─► decoder layer ─► f'[r] ─► the target's LM head ─► x[r+2]
+
+where f is the target's last hidden state for committed rows and the head's own output for
+drafted rows (trained to regress the target's next hidden state). EAGLE-2 differs only at run
+time (a dynamic tree), so both share these weights.
+
+EAGLE-3 (`eagle3`): the target's low / middle / high layer features are fused first,
+g = fc(concat(a_low, a_mid, a_high)); the layer's attention reads concat(norm(embed(x)), norm(g))
+(2H wide), its output feeds the next drafted row directly, and logits come from its own norm + LM
+head over a reduced draft vocabulary (`d2t`: target id = draft id + d2t[draft id]).
+
+Parameter names follow the public EAGLE / EAGLE-3 layouts (`fc`, `layers.0.*` / `midlayer.*`,
+`norm`, `lm_head`, `d2t`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specrt.export.drafters.base import FeatureDrafter, one_layer
+from specrt.export.modeling import MLP, Attention, DecoderLayer, RMSNorm
+from specrt.runtime.config import DecoderConfig
+
+
+@dataclass
+class EagleConfig:
+    kind: str = "eagle"
+    fc_bias: bool = True
+    input_norm: bool = False  # EAGLE-1 checkpoints drop input_layernorm in their only layer
+
+
+@dataclass
+class Eagle3Config:
+    kind: str = "eagle3"
+    taps: list[int] = field(default_factory=list)  # target layers whose *inputs* are fused
+    draft_vocab_size: int = 0  # 0: the target's vocabulary
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high choice: inputs of layers 2, L/2 and L-3."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+class EagleHead(FeatureDrafter):
+    def __init__(self, cfg: EagleConfig, dec: DecoderConfig):
+        super().__init__()
+        self.cfg, self.dec = cfg, one_layer(dec)
+        h = dec.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+        layer = DecoderLayer(self.dec)
+        if not cfg.input_norm:
+            layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+
+    @property
+    def layer(self):
+        return self.layers[0]
+
+    def mix(self, input_ids, hidden):
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
+        return self.layer.input_layernorm(x), x
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, dec: DecoderConfig):
+        super().__init__()
+        h = dec.hidden_size
+        self.hidden_norm = RMSNorm(h, dec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, dec.rms_norm_eps)
+        self.self_attn = Attention(dec, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, dec.rms_norm_eps)
+        self.mlp = MLP(dec)
+
+
+class Eagle3Head(FeatureDrafter):
+    def __init__(self, cfg: Eagle3Config, dec: DecoderConfig):
+        super().__init__()
+        self.cfg, self.dec = cfg, one_layer(dec)
+        h = dec.hidden_size
+        vocab = cfg.draft_vocab_size or dec.vocab_size
+        self.fc = nn.Linear(len(cfg.taps) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(self.dec)
+        self.norm = RMSNorm(h, dec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))  # target id - draft id
+
+    @property
+    def layer(self):
+        return self.midlayer
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [.., len(taps)*H] -> the layer's hidden input [.., H]."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def mix(self, input_ids, hidden):
+        e = self.midlayer.input_layernorm(self.embed_tokens(input_ids))
+        return torch.cat([e, self.midlayer.hidden_norm(hidden)], -1), hidden
+
+    def head_input(self, out):
+        return self.norm(out)
+
+    def target_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t)) + self.d2t

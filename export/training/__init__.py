@@ -1,0 +1,1 @@
+"""Self-distillation of drafters: the target writes the data, drafters learn to predict it."""

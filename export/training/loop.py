@@ -1,0 +1,189 @@
+"""`specrt train`: build the distillation data once, then train one drafter kind on it.
+
+Stopping is by epochs (deterministic for a seed); `max_minutes` is a guard that cuts a run short
+(a cut run says so in its metrics). Mixed precision: bf16 autocast, fp32 weights and optimizer.
+The held-out prompts (every 6th of each category) are never trained on; they give the per-step
+top-1 agreement and τ estimate recorded in `metrics.json` (a curve over training time) and plotted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specrt.errors import SpecrtError
+from specrt.export import drafters
+from specrt.export.drafters.eagle import default_taps
+from specrt.export.loading import LoadedModel
+from specrt.export.training.datagen import DistillData, build_data
+from specrt.export.training.objectives import OBJECTIVES, Batch, chain_tau
+
+DEFAULT_EPOCHS = {"draft": 2.0, "medusa": 6.0, "eagle": 16.0, "eagle3": 12.0, "mtp": 12.0}  # ≤ ~15 min each here
+LEARNING_RATES = {"draft": 1e-4, "medusa": 1e-3, "eagle": 6e-4, "eagle3": 6e-4, "mtp": 6e-4}
+
+
+@dataclass
+class TrainSettings:
+    kind: str
+    epochs: float = 4.0
+    max_minutes: float = 20.0
+    batch_seqs: int = 4
+    lr: float | None = None
+    steps: int | None = None  # unrolled draft steps (eagle, eagle3, mtp)
+    seed: int = 0
+    evals: int = 8  # held-out evaluations over the run (the τ curve)
+    draft_vocab: int = 8192  # label vocabulary: the most frequent target tokens (EAGLE-3's draft vocabulary)
+    max_new_tokens: int = 160
+    max_prompts: int | None = None  # use the first N corpus prompts (tests, quick runs)
+    options: dict = field(default_factory=dict)  # kind config fields, e.g. num_heads
+
+
+def label_vocabulary(data: DistillData, size: int) -> torch.Tensor:
+    """Target ids the drafter is scored over in training: the `size` most frequent target top-1
+    tokens (then the most frequent in the top-k lists). EAGLE-3 keeps it as its draft vocabulary;
+    for the others it only bounds the training LM-head cost (their graphs keep the full head)."""
+    counts = torch.bincount(data.top_ids[:, 0], minlength=int(data.top_ids.max()) + 1).float()
+    counts += 1e-3 * torch.bincount(data.top_ids.flatten(), minlength=len(counts))
+    return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
+
+
+def _init(module, kind: str, target, vocab: torch.Tensor) -> None:
+    """Warm starts: MTP blocks copy the target's last decoder layer (their output is normed before the
+    head); EAGLE-3's head starts from the target's rows of its vocabulary. EAGLE's layer starts
+    random: its output regresses the target's *normed* features, a scale the last layer lacks."""
+    last = target.model.layers[-1].state_dict()
+    if kind == "mtp":
+        for m in module.mtp:
+            m.block.load_state_dict(last)
+            m.shared_head.norm.load_state_dict(target.model.norm.state_dict())
+    elif kind == "eagle3":
+        with torch.no_grad():
+            module.lm_head.weight.copy_(target.lm_head.weight[vocab])
+            module.d2t.copy_(vocab - torch.arange(len(vocab)))
+            module.norm.load_state_dict(target.model.norm.state_dict())
+        module.midlayer.mlp.load_state_dict(target.model.layers[-1].mlp.state_dict())
+
+
+@torch.no_grad()
+def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_seqs: int) -> list[float]:
+    totals: list[list[int]] = []
+    for i in range(0, len(seqs), batch_seqs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, hits = objective(Batch(data, seqs[i : i + batch_seqs], label_index))
+        totals = [[a + h, b + n] for (a, b), (h, n) in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
+    return [h / max(n, 1) for h, n in totals]
+
+
+def _plot(curve: list[dict], kind: str, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([c["seconds"] / 60 for c in curve], [c["tau_est"] for c in curve], marker="o")
+    ax.set_xlabel("training time (min)")
+    ax.set_ylabel("τ estimate (held-out)")
+    ax.set_title(f"specrt train {kind}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def data_taps(settings: TrainSettings, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs the distillation data records (EAGLE-3's taps)."""
+    return tuple(settings.options.get("taps") or default_taps(num_layers))
+
+
+def train_from_prompts(loaded: LoadedModel, settings: TrainSettings, out: Path, cache_dir: Path | None,
+                       prompts: list[dict], progress: bool = True) -> dict:
+    """Build (or reuse) the distillation data for `prompts`, then train."""
+    taps = data_taps(settings, loaded.module.cfg.num_layers)
+    data = build_data(loaded, prompts, settings.max_new_tokens, taps, cache_dir, progress)
+    return train(loaded.module, settings, out, data, progress)
+
+
+def train(target, settings: TrainSettings, out: Path, data: DistillData, progress: bool = True) -> dict:
+    """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out`."""
+    kind = settings.kind
+    if kind not in OBJECTIVES:
+        raise SpecrtError(f"unknown drafter kind {kind!r}: choose one of {', '.join(OBJECTIVES)}")
+    torch.manual_seed(settings.seed)
+    options = dict(settings.options)
+    if kind == "eagle3":
+        options["taps"] = list(data.taps)
+    vocab = label_vocabulary(data, settings.draft_vocab)
+    if kind == "eagle3":
+        options["draft_vocab_size"] = len(vocab)
+    label_index = torch.full((target.cfg.vocab_size,), -1, dtype=torch.long)
+    label_index[vocab] = torch.arange(len(vocab))
+
+    module = drafters.build(drafters.make_config(kind, **options), target)
+    _init(module, kind, target, vocab)
+    module.train()
+    objective = OBJECTIVES[kind](module, data, vocab, settings.steps)
+    params = [p for p in module.parameters() if p.requires_grad]
+    lr = settings.lr or LEARNING_RATES[kind]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    train_seqs = [i for i in range(len(data)) if not data.heldout[i]]
+    held = [i for i in range(len(data)) if data.heldout[i]]
+    if not train_seqs or not held:
+        raise SpecrtError("the prompt corpus needs both train and held-out prompts")
+    per_epoch = math.ceil(len(train_seqs) / settings.batch_seqs)
+    total = max(1, int(settings.epochs * per_epoch))
+    eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
+    rng = torch.Generator().manual_seed(settings.seed)
+    curve, t0, step, cut = [], time.perf_counter(), 0, False
+    bar = tqdm(total=total, desc=f"train {kind}", unit="step", disable=not progress)
+    order: list[int] = []
+    while step < total:
+        if not order:
+            order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
+        seqs, order = order[: settings.batch_seqs], order[settings.batch_seqs :]
+        warm = min(1.0, (step + 1) / 50)
+        decay = 0.5 * (1 + math.cos(math.pi * step / total))
+        for group in opt.param_groups:
+            group["lr"] = lr * warm * (0.1 + 0.9 * decay)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = objective(Batch(data, seqs, label_index))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        cut = time.perf_counter() - t0 > settings.max_minutes * 60
+        if step in eval_at or cut or step == total:
+            module.eval()
+            accs = evaluate(objective, data, held, label_index, settings.batch_seqs)
+            module.train()
+            point = {"step": step, "epochs": round(step / per_epoch, 3), "seconds": round(time.perf_counter() - t0, 1),
+                     "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
+                     "tau_est": round(chain_tau(accs), 3)}
+            curve.append(point)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tau_est=point["tau_est"])
+            if cut:
+                break
+    bar.close()
+    module.eval()
+    drafters.save(module, out)
+    metrics = {"kind": kind, "settings": asdict(settings), "lr": lr, "steps_done": step, "cut_by_max_minutes": cut,
+               "train_sequences": len(train_seqs), "heldout_sequences": len(held),
+               "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
+               "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float((label_index[data.top_ids[:, 0]] >= 0)
+                                                                                   .float().mean()), 4),
+               "curve": curve, "final": curve[-1]}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    _plot(curve, kind, out / "tau_curve.png")
+    return metrics

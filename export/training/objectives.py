@@ -1,0 +1,224 @@
+"""What each drafter kind learns from the cached target states (one registered objective per kind).
+
+Notation: x[t] tokens, h[t] the target's last hidden state, p[t] its next-token distribution (soft
+labels: top-k, renormalized). Row r of a feature drafter reads x[r+1] and predicts x[r+2] ~ p[r+1].
+
+    draft    the truncated LM, causal over the sequence:          CE(p[t])
+    medusa   head k on h[t]:                                       CE(p[t+k]), weights 0.8^k
+    eagle    S unrolled steps ("training-time test"): step 1 reads h[r], step s reads its own
+             output of row r-1 from step s-1 and attends to real rows ≤ r-s+1 plus its own chain,
+             exactly as drafted rows do at run time:                CE(p[r+1]) + SmoothL1(f[r], h[r+1])
+    eagle3   as eagle, step 1 reads fc(low, mid, high), CE over the draft vocabulary only
+    mtp      module k (or the one module, reused) on module k-1's output of row r-1,
+             causal over its own rows (DeepSeek):                  CE(p[r+1])
+
+Logits are computed over a label vocabulary (the most frequent target tokens, 8192 by default:
+they cover ~99% of the target's top-1 choices), which cuts the LM-head cost several-fold; label
+mass outside it is dropped. Every objective
+also reports, per draft step, how often the drafter's top-1 equals the target's (answer tokens
+only), and from those an estimate of τ for a chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specrt.export.modeling import rope_cos_sin
+from specrt.export.training.datagen import DistillData
+
+OBJECTIVES: dict[str, Callable] = {}
+
+
+def register(kind: str):
+    def deco(cls):
+        OBJECTIVES[kind] = cls
+        return cls
+    return deco
+
+
+class Batch:
+    """Right-padded sequences: tokens [B,T], hidden [B,T,H], aux, labels, `length` [B], `answer` [B,T]."""
+
+    def __init__(self, data: DistillData, seqs: list[int], label_index: torch.Tensor):
+        spans = [data.seq(i) for i in seqs]
+        self.T = max(s.stop - s.start for s in spans)
+        self.length = torch.tensor([s.stop - s.start for s in spans])
+
+        def pad(src, fill=0):
+            out = torch.full((len(spans), self.T, *src.shape[1:]), fill, dtype=src.dtype)
+            for b, s in enumerate(spans):
+                out[b, : s.stop - s.start] = src[s]
+            return out
+
+        self.tokens = pad(data.tokens)
+        self.hidden = pad(data.hidden).float()
+        self.aux = pad(data.aux).float() if data.aux.numel() else None
+        lab = label_index[pad(data.top_ids)]  # into the label vocabulary; -1: not in it
+        self.label_top = lab[..., 0]
+        self.label_p = pad(data.top_p).masked_fill(lab < 0, 0.0)
+        self.label_ids = lab.clamp(min=0)
+        pos = torch.arange(self.T)[None]
+        self.valid = pos < self.length[:, None]
+        self.answer = self.valid & (pos >= data.prompt_lens[seqs][:, None])
+
+
+def soft_ce(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked rows of -Σ_k p_k log softmax(logits)[ids_k]."""
+    logp = logits.float().log_softmax(-1)
+    nll = -(logp.gather(-1, ids) * p).sum(-1)
+    return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
+def top1_hits(logits: torch.Tensor, top: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(rows where the drafter's argmax is the target's argmax `top`, rows) over `mask`."""
+    return int(((logits.argmax(-1) == top) & mask).sum()), int(mask.sum())
+
+
+def shift_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Row r of the result is row r+k of x (zero past the end)."""
+    return torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], 1)
+
+
+def chain_tau(accs: list[float]) -> float:
+    """τ estimate for a chain: 1 + a1 + a1·a2 + ... (each step's top-1 agreement, teacher-forced)."""
+    tau, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        tau += run
+    return tau
+
+
+class Objective:
+    steps = 1
+
+    def __init__(self, module, data: DistillData, label_vocab: torch.Tensor, steps: int | None = None):
+        self.m, self.data = module, data
+        self.vocab = label_vocab  # [|S|] target ids
+        self.steps = steps or self.steps
+        self.head_weight = None
+
+    def sub_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        if self.head_weight is None:
+            self.head_weight = lm_head_weight.detach()[self.vocab]
+        return self.head_weight
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """(loss, per-step (hits, rows))."""
+        raise NotImplementedError
+
+
+@register("draft")
+class DraftObjective(Objective):
+    def __call__(self, batch):
+        lm = self.m.lm
+        x = lm.model.embed_tokens(batch.tokens)
+        cos, sin = rope_cos_sin(lm.cfg, torch.arange(batch.T)[None])
+        causal = torch.tril(torch.ones(batch.T, batch.T, dtype=torch.bool))
+        additive = torch.where(causal, 0.0, -1e9)[None, None]
+        for layer in lm.model.layers:
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+            x = x + layer.self_attn.attend(q, k, v, additive.to(q.dtype))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = F.linear(lm.model.norm(x), self.sub_weight(lm.lm_head.weight))
+        loss = soft_ce(logits, batch.label_ids, batch.label_p, batch.valid)
+        return loss, [top1_hits(logits, batch.label_top, batch.answer)]
+
+
+@register("medusa")
+class MedusaObjective(Objective):
+    def __call__(self, batch):
+        feats = self.m.features(batch.hidden)  # [B,T,K,H]
+        loss, hits = 0.0, []
+        for k in range(self.m.cfg.num_heads):
+            if self.m.cfg.own_heads:
+                w = self.m.medusa_head[k][-1].weight[self.vocab]
+            else:
+                w = self.sub_weight(self.m.lm_head.weight)
+            logits = F.linear(feats[:, :, k], w)
+            ids, p = shift_rows(batch.label_ids, k + 1), shift_rows(batch.label_p, k + 1)
+            mask = shift_rows(batch.valid, k + 1)
+            loss = loss + 0.8**k * soft_ce(logits, ids, p, mask)
+            hits.append(top1_hits(logits, shift_rows(batch.label_top, k + 1), mask & shift_rows(batch.answer, k + 1)))
+        return loss, hits
+
+
+def ttt_mask(rows: int, step: int) -> torch.Tensor:
+    """[rows, step·rows]: step `step` (1-based) row r sees real rows ≤ r-step+1 and, for each earlier
+    unrolled step j ≥ 2, its row r-(step-j) (the drafted chain it extends), plus itself."""
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(rows)[None, :]
+    blocks = [c <= r - step + 1] + [c == r - (step - j) for j in range(2, step + 1)]
+    return torch.cat(blocks, 1)
+
+
+class FeatureObjective(Objective):
+    steps = 3
+    ttt = True  # attention as drafted rows see it (EAGLE); False: each step causal over its own rows (MTP)
+    regress = 0.0
+
+    def module_for(self, step: int):
+        return self.m
+
+    def real_hidden(self, batch: Batch) -> torch.Tensor:
+        return batch.hidden
+
+    def head_weight_for(self, mod) -> torch.Tensor:
+        return self.sub_weight(mod.lm_head.weight)
+
+    def __call__(self, batch):
+        rows = batch.T - 1
+        ids = batch.tokens[:, 1:]  # row r reads x[r+1]
+        lab_ids, lab_p = batch.label_ids[:, 1:], batch.label_p[:, 1:]  # and predicts x[r+2] ~ p[r+1]
+        lab_top = batch.label_top[:, 1:]
+        valid, answer = batch.valid[:, 1:], batch.answer[:, 1:]
+        cos, sin = rope_cos_sin(self.m.dec, torch.arange(rows)[None])
+        real = self.real_hidden(batch)[:, :rows]
+        loss, hits, past, prev = 0.0, [], [], None
+        causal = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+        for s in range(1, self.steps + 1):
+            mod = self.module_for(s - 1)
+            hid = real if s == 1 else torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1)
+            mask = ttt_mask(rows, s) if self.ttt else causal
+            out, kv = mod.layer_train(ids, hid, cos, sin, past if self.ttt else [], mask)
+            past.append(kv)
+            logits = F.linear(mod.head_input(out), self.head_weight_for(mod))
+            ok = valid.clone()
+            ok[:, : s - 1] = False  # rows before the chain could start
+            loss = loss + soft_ce(logits, lab_ids, lab_p, ok)
+            if self.regress:
+                target = batch.hidden[:, 1 : rows + 1]
+                err = F.smooth_l1_loss(out.float(), target, reduction="none").mean(-1)
+                loss = loss + self.regress * (err * ok).sum() / ok.sum().clamp(min=1)
+            hits.append(top1_hits(logits, lab_top, ok & answer))
+            prev = out
+        return loss / self.steps, hits
+
+
+@register("eagle")
+class EagleObjective(FeatureObjective):
+    regress = 1.0
+
+
+@register("eagle3")
+class Eagle3Objective(FeatureObjective):
+    """Labels live in the draft vocabulary (the label vocabulary *is* the draft vocabulary here)."""
+
+    def real_hidden(self, batch):
+        return self.m.fuse(batch.aux)
+
+    def head_weight_for(self, mod):
+        return mod.lm_head.weight
+
+
+@register("mtp")
+class MtpObjective(FeatureObjective):
+    ttt = False
+
+    def __init__(self, module, data, label_vocab, steps=None):
+        super().__init__(module, data, label_vocab, steps or module.cfg.num_steps)
+
+    def module_for(self, step):
+        return self.m.mtp[self.m.cfg.module_for(step)]

@@ -1,0 +1,207 @@
+"""EAGLE-1 (static tree), EAGLE-2 (dynamic tree) and EAGLE-3 drafters over one feature layer.
+
+With committed tokens x[0..m] (x[m] the newest, its target hidden state not known yet) the layer's
+committed rows are r = 0..m-1: (x[r+1], f[r]) with f the target's features. Row m-1's output
+drafts x[m+1]. A tree node at depth d is the row at position m-1+d reading its own token and its
+parent's output feature; each level is one pass over the nodes so far with the tree mask (ancestors
+only), logits computed for the newest level only.
+
+    eagle    static tree (the generator's --tree), children = top-r (greedy) or i.i.d. draws
+    eagle2   dynamic tree (EAGLE-2): expand the `beam` best nodes per depth by cumulative draft
+             probability, keep the `tree_nodes` best of all candidates (greedy; with sampling the
+             static tree is used, since value-based pruning of sampled children is not lossless)
+    eagle3   EAGLE-3 weights (fused low/mid/high target features, reduced vocabulary) with the
+             EAGLE-2 dynamic tree
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.plugins.rejection_sample import sample_from
+from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters.features import FeatureLayer, TargetState
+from specrt.runtime.sampling import SamplingParams, warp
+
+DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class _Nodes:
+    """Drafted nodes (index 0 = root): token, parent, depth, feature out, logits, score."""
+
+    def __init__(self, root_logits: np.ndarray, root_feature: np.ndarray):
+        self.token, self.parent, self.depth, self.score = [-1], [-1], [0], [0.0]
+        self.feature = {0: root_feature}
+        self.logits = {0: root_logits}
+
+    def add(self, token: int, parent: int, score: float = 0.0) -> int:
+        self.token.append(int(token))
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.score.append(score)
+        return len(self.token) - 1
+
+    def ancestors(self, nodes) -> list[int]:
+        """`nodes` plus all their non-root ancestors, parents first."""
+        out: set[int] = set()
+        for n in nodes:
+            while n > 0 and n not in out:
+                out.add(n)
+                n = self.parent[n]
+        return sorted(out, key=lambda n: (self.depth[n], n))
+
+
+class EagleDrafter:
+    name = "eagle"
+    kind = "eagle"
+    dynamic = False
+
+    def __init__(self, ctx: DrafterContext):
+        entry = ctx.manifest.drafter(self.kind, ctx.bundle)
+        self.entry, self.shape = entry, ctx.tree
+        cfg = ctx.manifest.graphs[entry["graphs"][0]].config
+        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0]), cfg,
+                                  ctx.capacity + 64, ctx.threads)
+        self.beam = int(ctx.options.get("beam") or DEFAULT_BEAM)
+        self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
+        self.depth = max(int(ctx.tree.depth.max()), 1)
+        self.vocab_ids = None  # draft id -> target id (EAGLE-3's reduced vocabulary)
+        self.vocab_size = ctx.manifest.target.config.vocab_size
+        self.state: TargetState | None = None
+        self.tokens: list[int] = []
+
+    needs_hidden = True
+
+    def features(self, start: int, end: int) -> np.ndarray:
+        return self.state.hidden[start:end]
+
+    def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
+        self.state = state
+        self.tokens = tokens
+        self.layer.sync(tokens)
+
+    # ── distributions over target ids ───────────────────────────────────────────────────────
+    def _to_target(self, ids: np.ndarray) -> np.ndarray:
+        return ids if self.vocab_ids is None else self.vocab_ids[ids]
+
+    def _dist(self, logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+        """The warped draft distribution over the target vocabulary (zero outside the draft vocab)."""
+        q = warp(logits, sampling)
+        if self.vocab_ids is None:
+            return q
+        full = np.zeros(self.vocab_size, np.float32)
+        full[self.vocab_ids] = q
+        return full
+
+    # ── the step ────────────────────────────────────────────────────────────────────────────
+    def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
+        m = len(tokens) - 1
+        if m < 1 or max_nodes <= 0 or max_depth <= 0:
+            return Proposal()
+        root_logits, out = self.layer.catch_up(tokens, self.features, m)
+        nodes = _Nodes(root_logits, out[-1])
+        depth = min(self.depth, max_depth)
+        if self.dynamic and sampling.greedy:
+            keep = self._dynamic(nodes, m, depth, min(self.tree_nodes, max_nodes))
+            q = None
+        else:
+            keep, q = self._static(nodes, m, depth, max_nodes, sampling, rng)
+        if not keep:
+            return Proposal()
+        slot = {n: i + 1 for i, n in enumerate(keep)}
+        parents = [slot.get(nodes.parent[n], 0) for n in keep]
+        return Proposal([nodes.token[n] for n in keep], parents, q)
+
+    def _pass(self, nodes: _Nodes, m: int, todo: list[int]) -> None:
+        """Compute features and logits of nodes `todo` (one pass over them and their ancestors)."""
+        rows = nodes.ancestors(todo)
+        index = {n: i for i, n in enumerate(rows)}
+        mask = np.eye(len(rows), dtype=bool)
+        for i, n in enumerate(rows):
+            p = nodes.parent[n]
+            if p > 0:
+                mask[i] |= mask[index[p]]
+        hidden = np.stack([nodes.feature[nodes.parent[n]] for n in rows])
+        logits, out = self.layer.run([nodes.token[n] for n in rows], hidden,
+                                     [m - 1 + nodes.depth[n] for n in rows], m, mask, [index[n] for n in todo])
+        for j, n in enumerate(todo):
+            nodes.logits[n] = logits[j]
+            nodes.feature[n] = out[index[n]]
+
+    def _static(self, nodes: _Nodes, m, depth, max_nodes, sampling, rng):
+        shape = self.shape
+        keep = [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= depth]
+        window = {0: 0}  # shape node -> drafted node
+        q_rows = {}
+        for d in range(1, int(shape.depth[keep].max(initial=0)) + 1):
+            level = [i for i in keep if shape.depth[i] == d]
+            for p in sorted({shape.parents[i] for i in level}):
+                kids = [i for i in level if shape.parents[i] == p]
+                logits = nodes.logits[window[p]]
+                if sampling.greedy:
+                    best = self._to_target(np.argsort(-logits, kind="stable")[: len(kids)])
+                    for i, tok in zip(kids, best.tolist(), strict=True):
+                        window[i] = nodes.add(tok, window[p])
+                else:
+                    q = self._dist(logits, sampling)
+                    for i in kids:
+                        window[i] = nodes.add(sample_from(q, float(rng.random())), window[p])
+                        q_rows[i] = q
+            if any(shape.depth[i] == d + 1 for i in keep):
+                self._pass(nodes, m, [window[i] for i in level])
+        order = [window[i] for i in keep]
+        q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
+        return order, q
+
+    def _dynamic(self, nodes: _Nodes, m: int, depth: int, budget: int) -> list[int]:
+        frontier = [0]
+        for d in range(1, depth + 1):
+            cands = []
+            for p in frontier:
+                lp = _log_softmax(nodes.logits[p].astype(np.float64))
+                top = np.argpartition(-lp, self.beam)[: self.beam]
+                top = top[np.argsort(-lp[top], kind="stable")]
+                for t in top:
+                    cands.append(nodes.add(int(self._to_target(np.asarray(t))), p, nodes.score[p] + float(lp[t])))
+            if d == depth:
+                break
+            frontier = sorted(cands, key=lambda n: -nodes.score[n])[: self.beam]
+            self._pass(nodes, m, frontier)
+        best = sorted(range(1, len(nodes.token)), key=lambda n: -nodes.score[n])[:budget]
+        return nodes.ancestors(best)[:budget]  # ancestors score higher (ties aside); cut the deepest
+
+
+@register("eagle")
+class Eagle1(EagleDrafter):
+    pass
+
+
+@register("eagle2")
+class Eagle2(EagleDrafter):
+    name = "eagle2"
+    dynamic = True
+
+
+@register("eagle3")
+class Eagle3(EagleDrafter):
+    name = "eagle3"
+    kind = "eagle3"
+    dynamic = True
+
+    def __init__(self, ctx: DrafterContext):
+        import onnxruntime as ort
+
+        from specrt.runtime.backend_ort import session_options
+
+        super().__init__(ctx)
+        self.vocab_ids = np.load(ctx.bundle / self.entry["vocab_ids"], allow_pickle=False)
+        self.fuse = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, self.entry["graphs"][1])),
+                                         session_options(ctx.threads), providers=["CPUExecutionProvider"])
+
+    def features(self, start: int, end: int) -> np.ndarray:
+        return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]

@@ -1,0 +1,80 @@
+"""Run-time pieces shared by the learned drafters: the target state they read, and a feature layer
+(EAGLE, EAGLE-3 or MTP graph) with its own KV cache that drafts over trees.
+
+`TargetState` holds, per committed token, the target's last hidden state (and the tapped layers'
+inputs when the target graph outputs them). The generator fills it after prefill and after every
+verify (accepted rows only), so it always covers every committed token but the last one (whose
+hidden state comes with the next verify pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.runtime.backend_ort import OrtDecoder
+from specrt.runtime.config import DecoderConfig
+
+
+@dataclass
+class TargetState:
+    hidden: np.ndarray  # [capacity, H]
+    aux: np.ndarray | None  # [capacity, n·H] when the target graph has aux_hidden_states
+
+    @classmethod
+    def allocate(cls, capacity: int, hidden_size: int, aux_size: int | None) -> TargetState:
+        return cls(np.zeros((capacity, hidden_size), np.float32),
+                   None if aux_size is None else np.zeros((capacity, aux_size), np.float32))
+
+    def write(self, rows, outs: dict, window_rows) -> None:
+        """Copy the pass outputs of window rows `window_rows` into state rows `rows`."""
+        self.hidden[rows] = outs["hidden_states"][0, window_rows]
+        if self.aux is not None:
+            self.aux[rows] = outs["aux_hidden_states"][0, window_rows]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class FeatureLayer:
+    """One drafter layer graph with a KV cache; row r reads token x[r+1] and a feature vector.
+
+    Rows 0..cached-1 hold committed inputs (the target's features); rows from `cached` on are
+    scratch space for drafted rows, rewritten every step.
+    """
+
+    def __init__(self, path, cfg: DecoderConfig, capacity: int, threads: int):
+        self.model = OrtDecoder(path, cfg, capacity, threads)
+        self.cached = 0
+        self.tokens: list[int] = []  # the committed tokens the cached rows were built from
+
+    def sync(self, tokens: list[int]) -> None:
+        """Drop cached rows whose token (x[r+1]) is no longer the committed one."""
+        keep = max(0, common_prefix(self.tokens, tokens) - 1)
+        self.cached = min(self.cached, keep)
+        self.tokens = list(tokens)
+
+    def run(self, ids, hidden: np.ndarray, positions, past: int, mask: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [R, V'] for window `rows`, features [T, H])."""
+        logits, out = self.model.run(np.asarray([ids], np.int64), np.asarray(positions, np.int64)[None],
+                                     np.array([past], np.int64), mask[None], np.asarray([rows], np.int64),
+                                     hidden_in=np.asarray(hidden, np.float32)[None])
+        return logits[0], out[0]
+
+    def catch_up(self, tokens: list[int], features, upto: int) -> tuple[np.ndarray, np.ndarray]:
+        """Feed committed rows cached..upto-1 (row r: token x[r+1], feature `features(start, end)`);
+        returns (logits of row upto-1, which drafts x[upto+1]; features of the fed rows)."""
+        start = min(self.cached, upto - 1)  # row upto-1 is always fed: its logits are the root's
+        if start < 0:
+            raise SpecrtError("internal: drafter catch-up needs at least one committed row")
+        t = upto - start
+        logits, out = self.run(tokens[start + 1 : upto + 1], features(start, upto), np.arange(start, upto), start,
+                               np.tril(np.ones((t, t), bool)), [t - 1])
+        self.cached = upto
+        return logits[0], out

@@ -1,0 +1,86 @@
+"""`specrt train KIND`: self-distill a drafter for a target (default: the embedded model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def _target_source(target: Path | None) -> Path:
+    """A model path from --target: a model folder / GGUF, or a bundle (its manifest names the source)."""
+    from specrt.errors import SpecrtError
+    from specrt.export.default_model import default_model_path
+    from specrt.runtime.manifest import MANIFEST, Manifest
+
+    if target is None:
+        return default_model_path()
+    if (target / MANIFEST).is_file():
+        source = Path(Manifest.load(target).target.source)
+        if not source.exists():
+            raise SpecrtError(f"bundle {target} was exported from {source}, which no longer exists: "
+                              "pass the model folder or .gguf with --target")
+        return source
+    return target
+
+
+@click.command("train")
+@click.argument("kind", type=click.Choice(["draft", "medusa", "eagle", "eagle3", "mtp"]))
+@click.option("--target", type=click.Path(path_type=Path), default=None,
+              help="Target model folder / .gguf, or a bundle exported from one. Default: the embedded model.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint folder. Default: $SPECRT_HOME/drafters/KIND (where export looks).")
+@click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Passes over the training prompts' answers (default per kind, see README).")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Stop early after this long (the run is then marked as cut).")
+@click.option("--steps", type=click.IntRange(min=1, max=8), default=None,
+              help="Unrolled draft steps in training (eagle, eagle3: training-time test; mtp: draft steps).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="Peak learning rate.")
+@click.option("--batch", "batch_seqs", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences per optimizer step.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help='JSONL prompt corpus, one {"prompt": ..., "split": "train"|"heldout"} per line. Default: the shipped one.')
+@click.option("--max-prompts", type=click.IntRange(min=2), default=None, help="Use only the first N prompts.")
+@click.option("--max-new-tokens", type=click.IntRange(min=8), default=160, show_default=True,
+              help="Length of the target's answers used as training data.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Drafter config field, e.g. --set num_heads=5 (medusa), --set num_modules=3 (mtp).")
+def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, seed, prompts, max_prompts,
+            max_new_tokens, settings):
+    """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
+    cached once, and the drafter learns to predict the target's own next-token distributions."""
+    from specrt.errors import SpecrtError
+    from specrt.export.loading import load_model
+    from specrt.export.training.corpus import load_prompts
+    from specrt.export.training.loop import DEFAULT_EPOCHS, TrainSettings, train_from_prompts
+    from specrt.paths import drafter_dir, train_cache_dir
+
+    options = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecrtError(f"--set {item!r}: write KEY=VALUE, e.g. --set num_heads=5")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    rows = load_prompts(path=prompts)
+    if max_prompts:
+        train_rows = [r for r in rows if r["split"] == "train"]
+        held = [r for r in rows if r["split"] == "heldout"]
+        n_held = max(1, max_prompts // 6)
+        rows = train_rows[: max_prompts - n_held] + held[:n_held]
+    out = output or drafter_dir(kind)
+    loaded = load_model(_target_source(target), keep_hf=False)
+    s = TrainSettings(kind=kind, epochs=epochs or DEFAULT_EPOCHS[kind], max_minutes=max_minutes,
+                      batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
+                      options=options)
+    metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
+    final = metrics["final"]
+    click.echo(f"{kind}: {metrics['steps_done']} steps in {final['seconds']:.0f}s"
+               f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}; held-out top-1 per step "
+               f"{final['top1_per_step']}, τ estimate {final['tau_est']}")
+    click.echo(f"checkpoint written: {out}  (next: specrt export --drafter {kind})")

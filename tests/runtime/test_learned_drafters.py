@@ -1,0 +1,157 @@
+"""Learned drafters at run time, on a tiny random target with real-size vocabulary:
+
+- what each runtime drafter proposes equals an independent PyTorch recomputation from scratch
+  (so the incremental KV caches, feature rows and step recurrences are right), before and after
+  the committed sequence grows;
+- greedy output equals plain decoding for every drafter and tree.
+Random drafters are (almost) never accepted, so sampling and acceptance are tested with drafters
+trained on the real model (tests/runtime/test_trained_real.py); how good they get is `specrt bench`'s job.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specrt.export import drafters
+from specrt.export.bundle import ExportOptions, export_bundle
+from specrt.export.loading import load_model
+from specrt.export.modeling import rope_cos_sin
+from specrt.runtime.generate import Generator
+from specrt.runtime.sampling import SamplingParams
+from tests.helpers import save_tiny_folder
+
+SPECS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000},
+         "mtp": {"num_modules": 2, "num_steps": 3}}
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, tokenizer_dir):
+    """(bundle, target LoadedModel, torch drafter modules) with random drafters of every kind."""
+    tmp = tmp_path_factory.mktemp("learned")
+    folder = save_tiny_folder(tmp / "llama", "llama", tokenizer_dir, vocab_size=49152, max_position_embeddings=256)
+    target = load_model(folder, keep_hf=False)
+    modules, requested = {}, []
+    gen = torch.Generator().manual_seed(0)
+    for kind, fields in SPECS.items():
+        m = drafters.build(drafters.make_config(kind, **fields), target.module)
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            if kind == "eagle3":  # a reduced vocabulary spread over the target's
+                ids = torch.randperm(49152, generator=gen)[:3000].sort().values
+                m.d2t.copy_(ids - torch.arange(3000))
+        drafters.save(m.eval(), tmp / kind)
+        modules[kind] = drafters.load(tmp / kind, target.module)
+        requested.append((kind, tmp / kind))
+    bundle = tmp / "bundle"
+    export_bundle(target, bundle, ExportOptions(draft_layers=1, progress=False, drafters=tuple(requested)))
+    return bundle, target, modules
+
+
+def target_states(target, tokens: list[int], taps=()):
+    """The target's hidden states (and tapped layer inputs) for `tokens`, by PyTorch."""
+    t = len(tokens)
+    out = target.module(torch.tensor([tokens]), torch.arange(t)[None], torch.tensor([0]),
+                        torch.tril(torch.ones(t, t, dtype=torch.bool))[None], target.module.new_kv(1, t + 1), taps=taps)
+    return out[1][0], (out[2][0] if taps else None)
+
+
+def rows_from_scratch(module, ids: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One causal pass over rows 0..n-1 from an empty cache: (logits, outputs)."""
+    n = len(ids)
+    with torch.no_grad():
+        logits, out = module.step(torch.tensor([ids]), feats[None], torch.arange(n)[None], torch.tensor([0]),
+                                  torch.tril(torch.ones(n, n, dtype=torch.bool))[None], module.new_kv(1, n + 1))
+    return logits[0], out[0]
+
+
+def reference_chain(kind: str, module, target, tokens: list[int], steps: int) -> list[int]:
+    """The greedy chain each kind drafts, recomputed from scratch in PyTorch."""
+    m = len(tokens) - 1
+    if kind == "medusa":
+        hidden, _ = target_states(target, tokens[:-1])
+        with torch.no_grad():
+            return module(hidden[m - 1])[:steps].argmax(-1).tolist()
+    taps = tuple(module.cfg.taps) if kind == "eagle3" else ()
+    hidden, aux = target_states(target, tokens[:-1], taps)
+    if kind in ("eagle", "eagle3"):
+        with torch.no_grad():
+            feats = module.fuse(aux) if kind == "eagle3" else hidden
+        ids, drafts = tokens[1:], []
+        for _ in range(steps):  # each drafted row reads the previous row's own output
+            logits, out = rows_from_scratch(module, ids, feats)
+            tok = int(logits[-1].argmax())
+            tok = int(module.target_ids()[tok]) if kind == "eagle3" else tok
+            drafts.append(tok)
+            ids, feats = [*ids, tok], torch.cat([feats, out[-1:]])
+        return drafts
+    # mtp: step k runs module k over rows 0..m+k-1, reading step k-1's output of the previous row
+    drafts, prev = [], hidden  # step 0 reads the target's h[r]
+    for k in range(steps):
+        mod = module.mtp[module.cfg.module_for(k)]
+        ids = [*tokens[1:], *drafts]
+        feats = prev if k == 0 else torch.cat([torch.zeros_like(prev[:1]), prev])  # row r reads row r-1
+        logits, out = rows_from_scratch(mod, ids, feats[: len(ids)])
+        drafts.append(int(logits[-1].argmax()))
+        prev = out
+    return drafts
+
+
+def propose(gen: Generator, tokens: list[int], steps: int) -> list[int]:
+    """Drive the runtime drafter as the generator does (prefill fills the target state), then propose."""
+    gen.forward(tokens[:-1], 0)
+    gen.state.write(np.arange(len(tokens) - 1), gen._outs, np.arange(len(tokens) - 1))
+    gen.drafter.observe(tokens, gen.state)
+    prop = gen.drafter.propose(tokens, 64, steps, SamplingParams(), np.random.default_rng(0))
+    assert prop.parents == list(range(len(prop))), "a chain was asked for"
+    return prop.tokens
+
+
+@pytest.mark.parametrize("kind,runtime", [("medusa", "medusa"), ("eagle", "eagle"), ("eagle3", "eagle3"),
+                                          ("mtp", "mtp")])
+def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, runtime):
+    bundle, target, modules = learned
+    gen = Generator(bundle, runtime, num_draft_tokens=3, max_seq_len=128, tree_nodes=3, beam=1)  # chains
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 49152, 12).tolist()
+    for grow in (0, 3, 1):  # the committed sequence grows: cached rows are reused, new ones fed
+        tokens = tokens + rng.integers(0, 49152, grow).tolist()
+        want = reference_chain(kind, modules[kind], target, tokens, 3)
+        assert propose(gen, tokens, 3) == want, (kind, len(tokens))
+
+
+RUNTIME_CASES = [("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
+                 ("eagle3", None), ("mtp", None)]
+
+
+def test_greedy_output_equals_plain_for_every_learned_drafter(learned):
+    bundle, _, _ = learned
+    gen = Generator(bundle, "plain", num_draft_tokens=4, max_seq_len=160)
+    prompts = [gen.tokenizer.encode_prompt(p) for p in ("Name three rivers.", "Write a haiku about rain.")]
+    plain = [gen.generate_ids(p, 40).token_ids for p in prompts]
+    for name, tree in RUNTIME_CASES:
+        gen.use(name, tree)
+        for p, want in zip(prompts, plain, strict=True):
+            res = gen.generate_ids(p, 40)
+            assert res.token_ids == want, (name, tree)
+            assert res.stats.drafted > 0, (name, tree)  # it did draft
+
+
+def test_a_bundle_without_the_drafter_says_how_to_export_it(real_bundle):
+    from specrt.errors import SpecrtError
+
+    with pytest.raises(SpecrtError, match="export --drafter eagle"):
+        Generator(real_bundle, "eagle")
+
+
+def test_training_rope_positions_match_the_runtime():
+    """Drafted rows use position m-1+depth; training uses the row index: the same numbers."""
+    from specrt.runtime.config import DecoderConfig
+
+    cfg = DecoderConfig("llama", 8, 8, 8, 1, 1, 1, 8, 1e-6, (1.0, 0.1, 0.01, 0.001))
+    cos, _ = rope_cos_sin(cfg, torch.arange(6)[None])
+    cos2, _ = rope_cos_sin(cfg, torch.tensor([[5]]))
+    torch.testing.assert_close(cos[..., 5:6, :], cos2)
