@@ -18,7 +18,9 @@ SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -n
 KINDS ?= draft medusa eagle eagle3 mtp
 TRAIN_MINUTES ?= 20
 TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
-DRAFTER_FLAGS := $(foreach f,$(TRAINED),--drafter $(notdir $(patsubst %/,%,$(dir $(f)))))
+# evaluated when the recipe runs, so drafters trained earlier in the same `make` are included
+DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
+	echo --drafter $$(basename $$(dirname "$$f")); done)
 
 .PHONY: setup export build run test bench bench-drafters train validate lint doctor clean distclean help
 
@@ -58,6 +60,7 @@ bench: build
 # Self-distil every drafter kind for the default model (data generated once, then ≤ TRAIN_MINUTES each).
 train: setup
 	for k in $(KINDS); do $(SPECRT) train $$k --max-minutes $(TRAIN_MINUTES) || exit 1; done
+	$(SPECRT) export -o $(BUNDLE) $(DRAFTER_FLAGS)
 
 # Learned drafters on the held-out prompts (2 per category), side by side with plain and ngram.
 bench-drafters: build

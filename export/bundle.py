@@ -132,30 +132,42 @@ def _versions() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def load_drafters(target: LoadedModel, requested) -> dict:
-    """Drafter modules by kind: each from its checkpoint folder, or from `specrt train`'s default place."""
+def resolve_drafters(requested) -> list[tuple[str, Path]]:
+    """(kind, checkpoint folder) per requested drafter, checked before any weight is loaded: each from
+    its given folder, or from where `specrt train KIND` saves it."""
     from specrt.export import drafters
+    from specrt.export.drafters import public
     from specrt.paths import drafter_dir
 
-    out = {}
+    out = []
     for kind, path in requested:
         drafters.kind_spec(kind)
         folder = Path(path) if path else drafter_dir(kind)
         if not folder.exists():
             raise SpecrtError(f"no trained {kind} drafter at {folder}: run `specrt train {kind}` first, "
                               f"or pass --drafter-weights PATH (a specrt or public {kind} checkpoint)")
-        out[kind] = (drafters.load(folder, target.module), str(folder))
+        if not (folder / drafters.CONFIG).is_file() and public.detect(folder) is None:
+            raise SpecrtError(f"{folder} holds no drafter checkpoint (no config.json, no public Medusa / EAGLE / "
+                              f"MTP layout): pass the folder `specrt train {kind}` wrote, or a public checkpoint")
+        out.append((kind, folder))
     return out
+
+
+def load_drafters(target: LoadedModel, folders: list[tuple[str, Path]]) -> dict:
+    from specrt.export import drafters
+
+    return {kind: (drafters.load(folder, target.module), str(folder)) for kind, folder in folders}
 
 
 def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | None = None) -> Manifest:
     """Export `model` (a path, or an already loaded model) and its draft into the bundle folder `out`."""
     opts = opts or ExportOptions()
     out = Path(out).resolve()
+    folders = resolve_drafters(opts.drafters)
     with tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress) as steps:
         steps.set_postfix_str("loading weights")
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
-        learned = load_drafters(target, opts.drafters)
+        learned = load_drafters(target, folders)
         draft_module, draft_source = None, ""
         if "draft" in learned:  # the fine-tuned truncated draft replaces the plain copy
             draft_module, draft_source = learned["draft"][0].lm, learned.pop("draft")[1]

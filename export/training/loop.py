@@ -23,8 +23,9 @@ from specrt.export.drafters.eagle import default_taps
 from specrt.export.loading import LoadedModel
 from specrt.export.training.datagen import DistillData, build_data
 from specrt.export.training.objectives import OBJECTIVES, Batch, chain_tau
+from specrt.export.training.report import plot_curves
 
-DEFAULT_EPOCHS = {"draft": 2.0, "medusa": 6.0, "eagle": 16.0, "eagle3": 12.0, "mtp": 12.0}  # ≤ ~15 min each here
+DEFAULT_EPOCHS = {"draft": 10.0, "medusa": 6.0, "eagle": 16.0, "eagle3": 12.0, "mtp": 12.0}  # ≤ ~15 min each here
 LEARNING_RATES = {"draft": 1e-4, "medusa": 1e-3, "eagle": 6e-4, "eagle3": 6e-4, "mtp": 6e-4}
 
 
@@ -78,25 +79,6 @@ def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_s
             _, hits = objective(Batch(data, seqs[i : i + batch_seqs], label_index))
         totals = [[a + h, b + n] for (a, b), (h, n) in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
     return [h / max(n, 1) for h, n in totals]
-
-
-def _plot(curve: list[dict], kind: str, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([c["seconds"] / 60 for c in curve], [c["tau_est"] for c in curve], marker="o")
-    ax.set_xlabel("training time (min)")
-    ax.set_ylabel("τ estimate (held-out)")
-    ax.set_title(f"specrt train {kind}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def data_taps(settings: TrainSettings, num_layers: int) -> tuple[int, ...]:
@@ -185,5 +167,5 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
                                                                                    .float().mean()), 4),
                "curve": curve, "final": curve[-1]}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    _plot(curve, kind, out / "tau_curve.png")
+    plot_curves({kind: metrics}, out / "tau_curve.png", f"specrt train {kind}")
     return metrics

@@ -19,6 +19,7 @@ from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.backend_ort import OrtDecoder
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
+from specrt.runtime.drafters.features import common_prefix
 from specrt.runtime.sampling import SamplingParams, warp
 
 
@@ -79,8 +80,5 @@ class DraftModel:
         return Proposal([window[i] for i in keep], renumber(keep, shape.parents), q)
 
     def observe(self, tokens: list[int], state=None) -> None:
-        n = 0
-        limit = min(len(self.cached), len(tokens))
-        while n < limit and self.cached[n] == tokens[n]:
-            n += 1
-        del self.cached[n:]
+        # keep the common prefix, but never the newest token: its pass gives the root distribution
+        del self.cached[min(common_prefix(self.cached, tokens), len(tokens) - 1):]

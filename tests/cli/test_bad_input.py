@@ -115,3 +115,27 @@ def test_build_trt_without_tensorrt_says_what_to_install(real_bundle):
         pytest.skip("TensorRT is installed here; this test covers machines without it")
     proc = specrt("build", real_bundle, "--backend", "trt")
     assert_one_line_error(proc, "TensorRT is not installed", "pip install tensorrt")
+
+
+def test_export_with_an_untrained_drafter_says_how_to_train_it(tmp_path):
+    folder = save_tiny_folder(tmp_path / "m", "llama", None)
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--drafter", "eagle",
+                  env={"SPECRT_HOME": str(tmp_path / "home")})
+    assert_one_line_error(proc, "no trained eagle drafter", "specrt train eagle")
+    assert_nothing_written(out)
+
+
+def test_export_drafter_weights_that_are_not_a_checkpoint(tmp_path):
+    folder = save_tiny_folder(tmp_path / "m", "llama", None)
+    (tmp_path / "ck").mkdir()
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--drafter", "medusa", "--drafter-weights",
+                  tmp_path / "ck")
+    assert_one_line_error(proc, "ck", "config.json")
+    assert_nothing_written(out)
+
+
+def test_train_rejects_a_malformed_setting(tmp_path):
+    proc = specrt("train", "medusa", "--set", "num_heads", "--target", tmp_path / "none")
+    assert_one_line_error(proc, "--set", "KEY=VALUE")

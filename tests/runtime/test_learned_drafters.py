@@ -123,7 +123,7 @@ def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, run
         assert propose(gen, tokens, 3) == want, (kind, len(tokens))
 
 
-RUNTIME_CASES = [("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
+RUNTIME_CASES = [("draft", None), ("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
                  ("eagle3", None), ("mtp", None)]
 
 
@@ -134,7 +134,8 @@ def test_greedy_output_equals_plain_for_every_learned_drafter(learned):
     plain = [gen.generate_ids(p, 40).token_ids for p in prompts]
     for name, tree in RUNTIME_CASES:
         gen.use(name, tree)
-        for p, want in zip(prompts, plain, strict=True):
+        for p, want in zip([*prompts, prompts[0]], [*plain, plain[0]], strict=True):  # a prompt again: caches
+            # from the previous run must be reused or dropped correctly
             res = gen.generate_ids(p, 40)
             assert res.token_ids == want, (name, tree)
             assert res.stats.drafted > 0, (name, tree)  # it did draft

@@ -22,7 +22,8 @@ from specrt.runtime.validate import PROMPT, lossless_check
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = {"draft": 6, "medusa": 30, "eagle": 20, "eagle3": 20, "mtp": 20}
+EPOCHS = {"draft": 12, "medusa": 24, "eagle": 16, "eagle3": 16, "mtp": 16}
+LR = {"draft": 1e-3}  # memorising four answers quickly; `specrt train` uses gentler defaults
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +34,13 @@ def trained(real_model, tmp_path_factory):
     data = build_data(real_model, rows, 40, tuple(default_taps(real_model.module.cfg.num_layers)), None, False)
     metrics, requested = {}, []
     for kind, epochs in EPOCHS.items():
-        settings = TrainSettings(kind=kind, epochs=epochs, batch_seqs=2, evals=1, draft_vocab=2048,
+        settings = TrainSettings(kind=kind, epochs=epochs, batch_seqs=2, evals=1, draft_vocab=2048, lr=LR.get(kind),
                                  options={"num_layers": 2} if kind == "draft" else {})
         metrics[kind] = train(real_model.module, settings, tmp / kind, data, progress=False)
         requested.append((kind, tmp / kind))
     bundle = tmp / "bundle"
-    export_bundle(real_model, bundle, ExportOptions(progress=False, drafters=tuple(requested)))
+    # graph parity is tested per kind on tiny models (tests/export/test_drafters.py); skipped here for time
+    export_bundle(real_model, bundle, ExportOptions(progress=False, check_parity=False, drafters=tuple(requested)))
     return bundle, rows[:-1], metrics
 
 
