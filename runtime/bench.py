@@ -146,7 +146,7 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
         taus = [r["mean_accepted_len"] for r in rs if r["mean_accepted_len"] is not None]
         steps = sum(r.get("steps") or 0 for r in rs)
         depth = max((len(r.get("accepted_per_position") or []) for r in rs), default=0)
-        per_pos = [sum((r.get("accepted_per_position") or [])[d:d + 1] or [0] for r in rs) for d in range(depth)]
+        per_pos = [sum(((r.get("accepted_per_position") or [])[d:d + 1] or [0])[0] for r in rs) for d in range(depth)]
         entry = {"tokens_per_s_median": round(statistics.median(tps[(name, i)] for i in ids), 2),
                  "speedup_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
                  "mean_accepted_len": round(statistics.fmean(taus), 3) if taus else None,
