@@ -16,8 +16,12 @@ from specrt.errors import SpecrtError
 from specrt.runtime.config import DecoderConfig
 
 
-def session_options(threads: int) -> ort.SessionOptions:
+def session_options(threads: int, spin: bool = True) -> ort.SessionOptions:
+    """`spin=False` for the small drafter graphs: their idle worker threads must not spin-wait and
+    steal the two cores from the target's pass (ORT's workers spin after each run by default)."""
     so = ort.SessionOptions()
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -33,11 +37,13 @@ class OrtDecoder:
     layers (which take extra inputs such as `hidden_in`, passed to `run` by name).
     """
 
-    def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1):
+    def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1,
+                 spin: bool = True):
         if not Path(path).is_file():
             raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
         try:
-            self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), session_options(threads, spin),
+                                                providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own Fail/InvalidGraph types
             raise SpecrtError(f"cannot load ONNX graph {path}: {str(e).splitlines()[0][:300]} — export the bundle again") from None
         self.path, self.cfg, self.capacity, self.batch = Path(path), cfg, capacity, batch
@@ -84,3 +90,12 @@ class OrtDecoder:
         src = np.asarray(rows)
         for buf in self.kv:
             buf[:, :, dst : dst + len(rows)] = buf[:, :, src]
+
+
+def top_desc(x: np.ndarray, r: int) -> np.ndarray:
+    """Indices of the r largest entries of a 1-D array, best first (O(V), not a full sort)."""
+    r = min(r, x.shape[-1])
+    if r == 1:
+        return np.array([int(x.argmax())])
+    top = np.argpartition(-x, r - 1)[:r]
+    return top[np.argsort(-x[top], kind="stable")]

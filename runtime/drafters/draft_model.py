@@ -17,7 +17,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.backend_ort import OrtDecoder
+from specrt.runtime.backend_ort import OrtDecoder, top_desc
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.drafters.features import common_prefix
 from specrt.runtime.sampling import SamplingParams, warp
@@ -37,7 +37,7 @@ class DraftModel:
                               "the drafter must share the target's tokenizer")
         self.shape = ctx.tree
         self.model = OrtDecoder(ctx.manifest.onnx_path(ctx.bundle, "draft"), entry.config,
-                                ctx.capacity + ctx.tree.size, ctx.threads)
+                                ctx.capacity + ctx.tree.size, ctx.threads, spin=False)
         self.cached: list[int] = []  # tokens whose K/V rows are valid in the draft cache
 
     def _run(self, ids: list[int], positions: np.ndarray, past: int, mask: np.ndarray, rows: list[int]) -> np.ndarray:
@@ -63,7 +63,7 @@ class DraftModel:
             for p in sorted({shape.parents[i] for i in level}):
                 kids = [i for i in level if shape.parents[i] == p]
                 if sampling.greedy:
-                    best = np.argsort(-dist[p], kind="stable")[: len(kids)]
+                    best = top_desc(dist[p], len(kids))
                     window.update(zip(kids, best.tolist(), strict=True))
                 else:
                     q = warp(dist[p], sampling)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.plugins.rejection_sample import sample_from
+from specrt.runtime.backend_ort import top_desc
 from specrt.runtime.drafters import DrafterContext, Proposal, register
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.sampling import SamplingParams, warp
@@ -144,7 +145,7 @@ class EagleDrafter:
                 kids = [i for i in level if shape.parents[i] == p]
                 logits = nodes.logits[window[p]]
                 if sampling.greedy:
-                    best = self._to_target(np.argsort(-logits, kind="stable")[: len(kids)])
+                    best = self._to_target(top_desc(logits, len(kids)))
                     for i, tok in zip(kids, best.tolist(), strict=True):
                         window[i] = nodes.add(tok, window[p])
                 else:
@@ -164,8 +165,7 @@ class EagleDrafter:
             cands = []
             for p in frontier:
                 lp = _log_softmax(nodes.logits[p].astype(np.float64))
-                top = np.argpartition(-lp, self.beam)[: self.beam]
-                top = top[np.argsort(-lp[top], kind="stable")]
+                top = top_desc(lp, self.beam)
                 for t in top:
                     cands.append(nodes.add(int(self._to_target(np.asarray(t))), p, nodes.score[p] + float(lp[t])))
             if d == depth:
@@ -201,7 +201,7 @@ class Eagle3(EagleDrafter):
         super().__init__(ctx)
         self.vocab_ids = np.load(ctx.bundle / self.entry["vocab_ids"], allow_pickle=False)
         self.fuse = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, self.entry["graphs"][1])),
-                                         session_options(ctx.threads), providers=["CPUExecutionProvider"])
+                                         session_options(ctx.threads, spin=False), providers=["CPUExecutionProvider"])
 
     def features(self, start: int, end: int) -> np.ndarray:
         return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]

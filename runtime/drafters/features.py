@@ -50,7 +50,7 @@ class FeatureLayer:
     """
 
     def __init__(self, path, cfg: DecoderConfig, capacity: int, threads: int):
-        self.model = OrtDecoder(path, cfg, capacity, threads)
+        self.model = OrtDecoder(path, cfg, capacity, threads, spin=False)
         self.cached = 0
         self.tokens: list[int] = []  # the committed tokens the cached rows were built from
 

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.backend_ort import session_options
+from specrt.runtime.backend_ort import session_options, top_desc
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.sampling import SamplingParams, warp
@@ -24,7 +24,8 @@ class MedusaDrafter:
         entry = ctx.manifest.drafter("medusa", ctx.bundle)
         self.heads = int(entry["config"]["num_heads"])
         self.session = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0])),
-                                            session_options(ctx.threads), providers=["CPUExecutionProvider"])
+                                            session_options(ctx.threads, spin=False),
+                                            providers=["CPUExecutionProvider"])
         self.shape = ctx.tree
         self.state: TargetState | None = None
 
@@ -42,7 +43,7 @@ class MedusaDrafter:
         out, q_rows = [], []
         if sampling.greedy:
             width = max(shape.ranks[i] for i in keep) + 1
-            top = np.argsort(-logits, axis=-1, kind="stable")[:, :width]
+            top = np.stack([top_desc(head, width) for head in logits])
             out = [int(top[shape.depth[i] - 1, shape.ranks[i]]) for i in keep]
         else:
             qs = {}
