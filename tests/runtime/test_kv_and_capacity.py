@@ -90,7 +90,7 @@ class _Oracle:
             return Proposal()
         return Proposal([(nxt[0] + 1) % 100, nxt[0], nxt[1]], [0, 0, 2])
 
-    def observe(self, tokens):
+    def observe(self, tokens, state=None):
         pass
 
 

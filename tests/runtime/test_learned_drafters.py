@@ -114,7 +114,7 @@ def propose(gen: Generator, tokens: list[int], steps: int) -> list[int]:
                                           ("mtp", "mtp")])
 def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, runtime):
     bundle, target, modules = learned
-    gen = Generator(bundle, runtime, num_draft_tokens=3, max_seq_len=128, tree_nodes=3, beam=1)  # chains
+    gen = Generator(bundle, runtime, num_draft_tokens=3, max_seq_len=128, tree="chain", tree_nodes=3, beam=1)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 49152, 12).tolist()
     for grow in (0, 3, 1):  # the committed sequence grows: cached rows are reused, new ones fed
