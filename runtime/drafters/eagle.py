@@ -74,7 +74,6 @@ class EagleDrafter:
         self.vocab_ids = None  # draft id -> target id (EAGLE-3's reduced vocabulary)
         self.vocab_size = ctx.manifest.target.config.vocab_size
         self.state: TargetState | None = None
-        self.tokens: list[int] = []
 
     needs_hidden = True
 
@@ -83,7 +82,6 @@ class EagleDrafter:
 
     def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
         self.state = state
-        self.tokens = tokens
         self.layer.sync(tokens)
 
     # ── distributions over target ids ───────────────────────────────────────────────────────
