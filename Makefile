@@ -10,6 +10,10 @@ SPECRT := $(VENV)/bin/specrt
 TORCH_SPEC ?= torch==2.13.0
 export SPECRT_HOME ?= $(CURDIR)/artifacts
 BUNDLE ?= $(SPECRT_HOME)/bundles/smollm2-135m-instruct
+# Weight-only quantization of the default bundle (int4, int8, or empty for fp32). The fp32 twin is the
+# baseline `make bench` measures against in the same run.
+QUANTIZE ?= int4
+FP32_BUNDLE ?= $(SPECRT_HOME)/bundles/smollm2-135m-instruct-fp32
 PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate on Tuesday.
 DRAFTER ?= ngram
 THREADS ?= 2
@@ -22,10 +26,10 @@ TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: setup export build run test bench bench-drafters train validate lint doctor clean distclean help
+.PHONY: setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help
 
 help:
-	@echo "make run | setup | export | build | test | bench | train | bench-drafters | validate | lint | doctor | clean"
+	@echo "make run | setup | export | build | test | bench | tune | train | bench-drafters | validate | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +44,22 @@ $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/.installed
 setup: $(VENV)/.installed $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 $(BUNDLE)/manifest.json: $(SOURCES) $(TRAINED) | setup
-	$(SPECRT) export -o $(BUNDLE) $(DRAFTER_FLAGS)
+	$(SPECRT) export -o $(BUNDLE) $(if $(QUANTIZE),--quantize $(QUANTIZE)) $(DRAFTER_FLAGS)
+
+$(FP32_BUNDLE)/manifest.json: $(SOURCES) | setup
+	$(SPECRT) export -o $(FP32_BUNDLE) && $(SPECRT) build $(FP32_BUNDLE)
+
+# The peers (llama-cpp-python builds llama.cpp from source: ~8 minutes, once; not part of `make test`).
+# llama.cpp's AMX path faults on VMs that advertise AMX without enabling it, so the build pins the
+# x86 features instead of -march=native (AVX-512 and VNNI stay on).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+$(VENV)/.peers: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[peers]"
+	touch $@
+
+setup-peers: $(VENV)/.peers
 
 export: $(BUNDLE)/manifest.json
 
@@ -53,9 +72,14 @@ run: build
 test: setup
 	$(PY) -m pytest -q tests
 
-bench: build
-	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers transformers \
-		--json $(SPECRT_HOME)/bench/latest.json
+# Every drafter of the bundle, transformers and llama.cpp, and plain fp32 specrt, side by side in one run.
+bench: build $(FP32_BUNDLE)/manifest.json setup-peers
+	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers all \
+		--baseline $(FP32_BUNDLE) --json $(SPECRT_HOME)/bench/latest.json --report $(SPECRT_HOME)/bench/report
+
+# Measure drafter / tree / depth choices on the bench prompts; the fastest becomes the bundle's default.
+tune: build
+	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
 # Self-distil every drafter kind for the default model (data generated once, then ≤ TRAIN_MINUTES each).
 train: setup

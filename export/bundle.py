@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from specrt import __version__
 from specrt.errors import SpecrtError
+from specrt.export import quantize
 from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.drafter_export import export_drafter
 from specrt.export.loading import LoadedModel, load_model
@@ -36,6 +37,7 @@ class ExportOptions:
     check_parity: bool = True
     progress: bool = True
     drafters: tuple = ()  # learned drafters: (kind, checkpoint folder or None for the trained default)
+    quantize: str | None = None  # "int4" / "int8": weight-only MatMulNBits for every graph (export/quantize.py)
 
 
 def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
@@ -132,6 +134,20 @@ def _versions() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str) -> dict:
+    """Quantize every graph in place (after the fp32 parity check); returns the manifest record with
+    each decoder graph's batch invariance (verify pass vs one-token passes, max |Δlogits|)."""
+    s = quantize.scheme(name)
+    record = {**quantize.describe(name), "matmuls": {}, "batch_invariance": {}}
+    for role, entry in graphs.items():
+        path = folder / entry.file
+        record["matmuls"][role] = quantize.quantize_file(path, s)
+        entry.sha256 = {f.name: sha256_file(f) for f in (path, path.with_name(path.name + ".data"))}
+        if role in ("target", "draft"):  # the graphs whose logits decide what is committed
+            record["batch_invariance"][role] = quantize.batch_invariance(path, entry.config)
+    return record
+
+
 def resolve_drafters(requested) -> list[tuple[str, Path]]:
     """(kind, checkpoint folder) per requested drafter, checked before any weight is loaded: each from
     its given folder, or from where `specrt train KIND` saves it."""
@@ -164,7 +180,9 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
     opts = opts or ExportOptions()
     out = Path(out).resolve()
     folders = resolve_drafters(opts.drafters)
-    with tqdm(total=4, desc="specrt export", unit="step", disable=not opts.progress) as steps:
+    if opts.quantize:
+        quantize.scheme(opts.quantize)  # a bad name fails before any weight is loaded
+    with tqdm(total=5, desc="specrt export", unit="step", disable=not opts.progress) as steps:
         steps.set_postfix_str("loading weights")
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
         learned = load_drafters(target, folders)
@@ -210,7 +228,12 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
                         raise SpecrtError(f"{role} graph parity failed: max |Δlogits| {worst:.2e} > "
                                           f"{PARITY_TOLERANCE} ({checks[role]}); please report this model")
             steps.update()
+            artifacts = {"parity_max_abs_logits": checks}
+            if opts.quantize:
+                steps.set_postfix_str(f"quantizing ({opts.quantize})")
+                artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize)
+            steps.update()
             manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
-                                artifacts={"parity_max_abs_logits": checks}, drafters=drafter_entries)
+                                artifacts=artifacts, drafters=drafter_entries)
             manifest.save(tmp)
     return manifest

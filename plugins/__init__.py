@@ -1,6 +1,7 @@
 """Custom ops shared by every backend (the floor of the dependency graph).
 
-The decoder graph's attention and the acceptance rule are plain ONNX today; the portable custom
-ops `specrt::TreeAttention` and `specrt::RejectionSample` (ONNX function body, NumPy reference,
-Triton kernel, TensorRT plugin) are not implemented yet.
+`specrt::TreeAttention`, `specrt::RejectionSample` and `specrt::GreedyAccept`: ONNX local functions
+(standard ops only, so ONNX Runtime runs them) with NumPy references beside them; Triton kernels for
+the first two in `triton_kernels/` (tested on the CPU interpreter and compiled to PTX here; never run
+on a GPU in this workplace). TensorRT plugins: not implemented yet.
 """

@@ -1,16 +1,18 @@
 """Side-by-side benchmark: every drafter (and optional peers) on the same prompts, interleaved.
 
 Ratios are measured in one process after a warm-up; `speedup_vs_plain` is the median over prompts
-of (drafter tokens/s ÷ plain tokens/s), each prompt's tokens/s being the median over repeats.
+of (drafter tokens/s ÷ plain tokens/s), each prompt's tokens/s being the median over repeats;
+`speedup_vs[peer]` is the same ratio against each peer engine (`specrt bench --peers`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -59,65 +61,108 @@ def load_prompts(path: Path, split: str | None = None, per_category: int | None 
     return prompts
 
 
-# A peer runs the same prompt token ids with another engine: (ids, max_new_tokens) -> (new ids, seconds).
-Peer = Callable[[list[int], int], tuple[list[int], float]]
+@dataclass
+class Peer:
+    """Another engine run on the same prompt token ids: run(ids, max_new_tokens) -> (new ids, seconds).
+
+    `reference` names the engine whose greedy output this one must reproduce (its own engine's plain
+    run, e.g. "transformers-plain"; "plain" is specrt's); None marks a reference itself (a plain peer),
+    whose output is then compared with specrt's plain output only (`same_as_specrt_plain`).
+    A bare callable given as a peer counts as Peer(run, reference="plain").
+    """
+
+    run: Callable[[list[int], int], tuple[list[int], float]]
+    reference: str | None = "plain"
+    settings: dict = field(default_factory=dict)  # recorded in the results' config
+
+
+ADAPTIVE = "+adaptive"  # `--drafters eagle3+adaptive`: that drafter with adaptive draft depth
 
 
 def engine_name(drafter: str, tree: str | None) -> str:
     return drafter if tree in (None, "chain") or drafter == "plain" else f"{drafter}@{tree}"
 
 
+def engine_spec(drafter: str) -> tuple[str, bool | None]:
+    """(runtime drafter, adaptive) of a bench drafter name: "ngram+adaptive" -> ("ngram", True);
+    None leaves the generator's setting."""
+    if drafter.endswith(ADAPTIVE):
+        return drafter[: -len(ADAPTIVE)], True
+    return drafter, None
+
+
 def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str], max_new_tokens: int,
               repeats: int = 1, peers: dict[str, Peer] | None = None, raw: bool = False,
               progress: bool = True, trees: Sequence[str | None] = (None,),
-              sampling: SamplingParams | None = None) -> dict:
+              sampling: SamplingParams | None = None, cooldown: float = 0.1) -> dict:
     """Every (drafter, tree) and peer on every prompt, interleaved. With sampling, each run uses the
-    same seed; `identical_to_plain` is then reported only for greedy runs."""
-    peers = peers or {}
+    same seed; `identical_to_plain` is then reported only for greedy runs. Before each timed run the
+    process idles `cooldown` seconds (not timed) so the previous engine's spinning worker threads
+    (ONNX Runtime's, OpenMP's in llama.cpp and torch) have gone to sleep and do not steal its cores."""
+    peers = {n: p if isinstance(p, Peer) else Peer(p) for n, p in (peers or {}).items()}
     sampling = sampling or SamplingParams()
-    engines = {"plain": ("plain", None)}  # plain is the reference for every ratio
+    engines = {"plain": ("plain", None, None)}  # plain is the reference for every ratio
     for d in drafters:
         for t in trees:
-            engines.setdefault(engine_name(d, t), (d, t))
-    for d, t in engines.values():
-        gen.use(d, t)
+            engines.setdefault(engine_name(d, t), (*engine_spec(d), t))
+    for name, peer in peers.items():
+        if name in engines:
+            raise SpecrtError(f"peer {name!r} has the name of a specrt engine")
+        if peer.reference is not None and peer.reference not in engines and peer.reference not in peers:
+            raise SpecrtError(f"peer {name!r} is checked against {peer.reference!r}, "
+                              "which is not in this run")
+    for d, a, t in engines.values():
+        gen.use(d, t, a)
     encoded = {p.id: gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts}
     # warm-up: every engine once on the first prompt
     first = encoded[prompts[0].id]
-    for d, t in engines.values():
-        gen.use(d, t).generate_ids(first, min(16, max_new_tokens), sampling)
-    for run in peers.values():
-        run(first, min(16, max_new_tokens))
+    for d, a, t in engines.values():
+        gen.use(d, t, a).generate_ids(first, min(16, max_new_tokens), sampling)
+    for peer in peers.values():
+        peer.run(first, min(16, max_new_tokens))
 
     rows, outputs = [], {}
     total = repeats * len(prompts) * (len(engines) + len(peers))
     with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         for rep in range(repeats):
             for p in prompts:
-                for name, (d, t) in engines.items():
-                    res = gen.use(d, t).generate_ids(encoded[p.id], max_new_tokens, sampling)
+                for name, (d, a, t) in engines.items():
+                    time.sleep(cooldown)
+                    res = gen.use(d, t, a).generate_ids(encoded[p.id], max_new_tokens, sampling)
                     st = res.stats
                     rows.append({"drafter": name, "id": p.id, "category": p.category, "repeat": rep,
-                                 "new_tokens": st.new_tokens, "seconds": round(st.seconds, 4),
+                                 "peer": False, "reference": "plain", "new_tokens": st.new_tokens,
+                                 "seconds": round(st.seconds, 4),
                                  "tokens_per_s": round(st.tokens_per_s, 3),
                                  "mean_accepted_len": round(st.mean_accepted_len, 4),
                                  "acceptance_rate": round(st.acceptance_rate, 4), "steps": st.steps,
                                  "accepted_per_position": st.accepted_per_position,
+                                 "plain_steps": st.plain_steps, "mean_draft_depth": round(st.mean_draft_depth, 3),
                                  "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()}})
                     outputs[(name, p.id, rep)] = res.token_ids
                     bar.update()
-                for name, run in peers.items():
-                    ids, seconds = run(encoded[p.id], max_new_tokens)
+                for name, peer in peers.items():
+                    time.sleep(cooldown)
+                    ids, seconds = peer.run(encoded[p.id], max_new_tokens)
                     rows.append({"drafter": name, "id": p.id, "category": p.category, "repeat": rep,
-                                 "new_tokens": len(ids), "seconds": round(seconds, 4),
+                                 "peer": True, "reference": peer.reference, "new_tokens": len(ids),
+                                 "seconds": round(seconds, 4),
                                  "tokens_per_s": round(len(ids) / seconds, 3) if seconds else 0.0,
                                  "mean_accepted_len": None, "acceptance_rate": None})
                     outputs[(name, p.id, rep)] = ids
                     bar.update()
-    for r in rows:
-        same = outputs[(r["drafter"], r["id"], r["repeat"])] == outputs[("plain", r["id"], r["repeat"])]
-        r["identical_to_plain"] = same if sampling.greedy else None
-    return {"config": {"engines": list(engines), "peers": list(peers), "max_new_tokens": max_new_tokens,
+    for r in rows:  # identity with the row's reference engine (peers: their own engine's plain run)
+        out = outputs[(r["drafter"], r["id"], r["repeat"])]
+        ref = r["reference"]
+        r["identical_to_plain"] = (out == outputs[(ref, r["id"], r["repeat"])]
+                                   if sampling.greedy and ref is not None else None)
+        if r["peer"]:  # peers decode greedily whatever --temperature says
+            specrt_plain = outputs[("plain", r["id"], r["repeat"])]
+            r["same_as_specrt_plain"] = out == specrt_plain if sampling.greedy else None
+    return {"config": {"engines": list(engines), "peers": list(peers),
+                       "peer_settings": {n: {"reference": p.reference, **p.settings}
+                                         for n, p in peers.items()},
+                       "max_new_tokens": max_new_tokens,
                        "repeats": repeats, "threads": gen.threads, "num_draft_tokens": gen.k,
                        "trees": [t or "chain" for t in trees], "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
@@ -132,9 +177,25 @@ def _median_tps(rows: list[dict]) -> dict[tuple, float]:
     return {k: statistics.median(v) for k, v in per.items()}
 
 
+def _ratio(tps: dict, name: str, other: str, ids: list[str]) -> float | None:
+    ratios = [tps[(name, i)] / tps[(other, i)] for i in ids if tps.get((other, i)) and (name, i) in tps]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
+def _identical(rs: list[dict]) -> str:
+    if all(r.get("peer") and r.get("reference") is None for r in rs):
+        return "reference"  # a plain peer: the engine its speculative variants are checked against
+    if all(r["identical_to_plain"] is not None for r in rs):
+        return f"{sum(bool(r['identical_to_plain']) for r in rs)}/{len(rs)}"
+    return "n/a (sampling)"
+
+
 def summarize(rows: list[dict], by_category: bool = False) -> dict:
-    """Per drafter (or per drafter and category): median tokens/s, speedup vs plain, τ, identical k/n."""
+    """Per drafter (or per drafter and category): tokens/s (median, min and max over prompts, each
+    prompt's value the median over repeats), speedup vs plain and vs every peer, τ, identical k/n
+    (against the row's reference engine: plain for specrt, the peer's own plain run for a peer)."""
     tps = _median_tps(rows)
+    peers = list(dict.fromkeys(r["drafter"] for r in rows if r.get("peer")))
     groups = defaultdict(list)
     for r in rows:
         groups[(r["drafter"], r["category"]) if by_category else r["drafter"]].append(r)
@@ -142,27 +203,46 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
     for key, rs in groups.items():
         ids = sorted({r["id"] for r in rs})
         name = key[0] if by_category else key
-        ratios = [tps[(name, i)] / tps[("plain", i)] for i in ids if tps.get(("plain", i))]
+        per_prompt = [tps[(name, i)] for i in ids]
         taus = [r["mean_accepted_len"] for r in rs if r["mean_accepted_len"] is not None]
         steps = sum(r.get("steps") or 0 for r in rs)
         depth = max((len(r.get("accepted_per_position") or []) for r in rs), default=0)
         per_pos = [sum(((r.get("accepted_per_position") or [])[d:d + 1] or [0])[0] for r in rs) for d in range(depth)]
-        entry = {"tokens_per_s_median": round(statistics.median(tps[(name, i)] for i in ids), 2),
-                 "speedup_vs_plain": round(statistics.median(ratios), 3) if ratios else None,
+        entry = {"tokens_per_s_median": round(statistics.median(per_prompt), 2),
+                 "tokens_per_s_min": round(min(per_prompt), 2), "tokens_per_s_max": round(max(per_prompt), 2),
+                 "speedup_vs_plain": _ratio(tps, name, "plain", ids),
+                 "speedup_vs": {p: _ratio(tps, name, p, ids) for p in peers if p != name},
                  "mean_accepted_len": round(statistics.fmean(taus), 3) if taus else None,
                  # share of verify steps that accepted a draft at depth 1, 2, ... (τ = 1 + their sum)
                  "acceptance_by_position": [round(c / steps, 3) for c in per_pos] if steps else [],
-                 "identical": (f"{sum(bool(r['identical_to_plain']) for r in rs)}/{len(rs)}"
-                               if all(r["identical_to_plain"] is not None for r in rs) else "n/a (sampling)")}
+                 "identical": _identical(rs)}
+        if any(r.get("peer") for r in rs):
+            entry["reference"] = rs[0].get("reference")
+            same = [r.get("same_as_specrt_plain") for r in rs]
+            entry["same_as_specrt_plain"] = (f"{sum(map(bool, same))}/{len(same)}"
+                                             if all(v is not None for v in same) else "n/a (sampling)")
         out["/".join(key) if by_category else key] = entry
     return out
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'engine':<28} {'tok/s (median)':>15} {'× plain':>9} {'τ':>7} {'identical':>16}  accepted at depth 1,2,3,…"]
+    """One line per engine; one `× PEER` column per peer present (its tok/s ÷ that peer's)."""
+    peers = list(dict.fromkeys(p for s in summary.values() for p in s.get("speedup_vs", {})))
+    lines = [f"{'engine':<34} {'tok/s (median)':>15} {'min–max':>13} {'× plain':>9}"
+             + "".join(f" {'× ' + p:>{max(9, len(p) + 2)}}" for p in peers)
+             + f" {'τ':>7} {'identical':>16} {'= specrt plain':>14}  accepted at depth 1,2,3,…"]
     for name, s in summary.items():
         sp = f"{s['speedup_vs_plain']:.2f}" if s["speedup_vs_plain"] is not None else "-"
+        vs = "".join(f" {_fmt(s.get('speedup_vs', {}).get(p)):>{max(9, len(p) + 2)}}" for p in peers)
         tau = f"{s['mean_accepted_len']:.2f}" if s["mean_accepted_len"] is not None else "-"
         pos = " ".join(f"{a:.2f}" for a in s.get("acceptance_by_position", [])[:6])
-        lines.append(f"{name:<28} {s['tokens_per_s_median']:>15.1f} {sp:>9} {tau:>7} {s['identical']:>16}  {pos}")
+        lo, hi = s.get("tokens_per_s_min"), s.get("tokens_per_s_max")
+        spread = f"{lo:.0f}–{hi:.0f}" if lo is not None and hi is not None else "-"
+        same = s.get("same_as_specrt_plain", "")
+        lines.append(f"{name:<34} {s['tokens_per_s_median']:>15.1f} {spread:>13} {sp:>9}{vs} {tau:>7} "
+                     f"{s['identical']:>16} {same:>14}  {pos}")
     return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:.2f}" if x is not None else "-"

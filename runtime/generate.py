@@ -24,8 +24,9 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.acceptance import LOSSY, Window, acceptance_for
+from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.backend_ort import OrtDecoder
-from specrt.runtime.drafters import DrafterContext, make_drafter
+from specrt.runtime.drafters import DrafterContext, Proposal, make_drafter
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.manifest import Manifest
 from specrt.runtime.sampling import SamplingParams, warp
@@ -43,6 +44,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # by depth in the tree
+    plain_steps: int = 0  # adaptive depth chose plain decoding (speculation did not pay)
+    depth_sum: int = 0  # draft depth limits chosen, summed over steps (adaptive)
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @property
@@ -59,6 +62,10 @@ class Stats:
         """Accepted drafted tokens over drafted tokens (tree nodes count as drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def mean_draft_depth(self) -> float:
+        return self.depth_sum / self.steps if self.steps else 0.0
+
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.drafted += drafted
@@ -73,6 +80,7 @@ class Stats:
                 "mean_accepted_len": round(self.mean_accepted_len, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4), "drafted": self.drafted,
                 "accepted": self.accepted, "accepted_per_position": self.accepted_per_position,
+                "plain_steps": self.plain_steps, "mean_draft_depth": round(self.mean_draft_depth, 3),
                 "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()}}
 
 
@@ -91,9 +99,11 @@ class _Timer:
 
     def __enter__(self):
         self.t0 = time.perf_counter()
+        return self
 
     def __exit__(self, *exc):
-        self.stats.stage_seconds[self.stage] += time.perf_counter() - self.t0
+        self.elapsed = time.perf_counter() - self.t0
+        self.stats.stage_seconds[self.stage] += self.elapsed
 
 
 class Generator:
@@ -101,30 +111,43 @@ class Generator:
 
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
-                 acceptance: str | None = None, **drafter_options):
+                 acceptance: str | None = None, adaptive: bool = False, **drafter_options):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
         cfg = self.manifest.target.config
         self.capacity = int(max_seq_len or min(2048, cfg.max_position_embeddings))
         if self.capacity < 2:
             raise SpecrtError(f"--max-seq-len {self.capacity} is too small: it must be at least 2")
-        self.k = int(num_draft_tokens)
-        self.tree = resolve_tree(tree, self.k)
-        self.tree_given = tree is not None
         self.acceptance = acceptance
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.target = OrtDecoder(self.manifest.onnx_path(self.bundle, "target"), cfg, self.capacity, threads)
         self.threads = threads
-        self.drafter_options = drafter_options
         aux = [o for o in self.target.session.get_outputs() if o.name == "aux_hidden_states"]
         self.state = TargetState.allocate(self.capacity + 1, cfg.hidden_size, aux[0].shape[-1] if aux else None)
-        self._drafters: dict = {}
+        self.configure(num_draft_tokens, tree, adaptive, **drafter_options)
         self.use(drafter)
 
-    def use(self, drafter: str, tree: str | None = None) -> Generator:
-        """Switch drafter (and its tree shape; default: the generator's). Each (drafter, tree) is built
-        once and reused; the target and its KV buffers are shared."""
+    def configure(self, num_draft_tokens: int = 5, tree: str | None = None, adaptive: bool = False,
+                  **drafter_options) -> Generator:
+        """Set the speculation settings every drafter shares (drafters are rebuilt on next use); the
+        target session and its KV buffers stay."""
+        self.k = int(num_draft_tokens)
+        self.tree = resolve_tree(tree, self.k)
+        self.tree_given = tree is not None
+        self.adaptive = adaptive  # choose the draft depth each step (runtime/adaptive.py)
+        self.drafter_options = drafter_options
+        self._drafters: dict = {}
+        self._controls: dict = {}
+        if hasattr(self, "drafter_name"):
+            self.use(self.drafter_name)
+        return self
+
+    def use(self, drafter: str, tree: str | None = None, adaptive: bool | None = None) -> Generator:
+        """Switch drafter (and its tree shape; default: the generator's; adaptive depth: default the
+        generator's setting). Each (drafter, tree) is built once and reused; the target and its KV
+        buffers are shared."""
+        self.adaptive_now = self.adaptive if adaptive is None else adaptive
         key = (drafter, tree)
         if key not in self._drafters:
             shape = self.tree if tree is None else resolve_tree(tree, self.k)
@@ -133,9 +156,22 @@ class Generator:
                 shape = Tree.from_paths(stored)
             ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads, shape,
                                  dict(self.drafter_options))
-            self._drafters[key] = make_drafter(drafter, ctx)
-        self.drafter_name, self.drafter = drafter, self._drafters[key]
+            self._drafters[key] = (make_drafter(drafter, ctx), shape)
+        self.drafter_name, (self.drafter, self.drafter_tree) = drafter, self._drafters[key]
         return self
+
+    def _controller(self) -> AdaptiveDepth:
+        """The adaptive-depth controller of the current drafter, kept across generations: the costs it
+        measured carry over, its acceptance counts carry over at half weight."""
+        key = (self.drafter_name, id(self.drafter))
+        if key not in self._controls:
+            self._controls[key] = AdaptiveDepth(self.max_depth)
+        return self._controls[key].begin()
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft the current drafter's tree allows (adaptive depth picks 0..this)."""
+        return max(self.k, int(self.drafter_tree.depth.max()) if self.drafter_tree.size > 1 else 1)
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
@@ -153,6 +189,7 @@ class Generator:
         t0 = time.perf_counter()
         tokens = list(prompt_ids)
         needs_hidden = getattr(self.drafter, "needs_hidden", False)
+        control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
         with _Timer(stats, "prefill"):
             first = self._pick(self.forward(tokens, 0, rows=[len(tokens) - 1])[0], sampling, rng)
             if needs_hidden:
@@ -168,11 +205,15 @@ class Generator:
             past = len(tokens) - 1
             max_nodes = self.capacity - len(tokens)  # KV rows left after the root's
             max_depth = max_new_tokens - len(out) - 1  # the bonus token needs one more
-            with _Timer(stats, "propose"):
-                prop = self.drafter.propose(tokens, max_nodes, max_depth, sampling, rng).limited(max_nodes, max_depth)
+            depth = min(control.choose().depth, max_depth) if control else max_depth
+            with _Timer(stats, "propose") as t_propose:
+                prop = Proposal()
+                if depth > 0:  # depth 0: adaptive chose a plain step
+                    prop = self.drafter.propose(tokens, max_nodes, depth, sampling, rng)
+                prop = prop.limited(max_nodes, depth)
                 tree = prop.tree()
                 window = np.asarray([tokens[-1], *prop.tokens], np.int64)
-            with _Timer(stats, "verify"):
+            with _Timer(stats, "verify") as t_verify:
                 logits = self.forward(window, past, tree)
             with _Timer(stats, "accept"):
                 q = None if prop.q is None else np.concatenate([np.zeros_like(prop.q[:1]), prop.q])
@@ -185,6 +226,10 @@ class Generator:
                 if needs_hidden:  # the root's and the accepted nodes' target states
                     self.state.write(np.arange(past, past + 1 + len(path)), self._outs, [0, *path])
                 stats.record(len(prop), len(path))
+                if control:
+                    stats.depth_sum += depth
+                    stats.plain_steps += depth == 0
+                    control.update(depth, tree.depth[1:], len(path), t_propose.elapsed, t_verify.elapsed)
                 kept = len(out)
                 finish = self._emit(new, out, tokens, max_new_tokens)
                 self.drafter.observe(tokens, self.state)

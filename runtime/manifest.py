@@ -49,6 +49,8 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     artifacts: dict = field(default_factory=dict)  # engines built from the graphs, by backend
     drafters: dict = field(default_factory=dict)  # learned drafters by kind: {"graphs", "config", ...}
+    # `specrt tune`'s choice, used when a command names no drafter: {"drafter", "num_draft_tokens", ...}
+    runtime_defaults: dict = field(default_factory=dict)
 
     @property
     def target(self) -> GraphEntry:
@@ -81,7 +83,7 @@ class Manifest:
     def to_json(self) -> str:
         d = {"schema_version": self.schema_version, "versions": self.versions, "tokenizer": self.tokenizer,
              "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts,
-             "drafters": self.drafters}
+             "drafters": self.drafters, "runtime_defaults": self.runtime_defaults}
         return json.dumps(d, indent=2)
 
     def save(self, bundle: Path) -> None:
@@ -106,7 +108,7 @@ class Manifest:
             graphs = {k: GraphEntry.from_dict(g) for k, g in d["graphs"].items()}
             return cls(graphs=graphs, tokenizer=d["tokenizer"], versions=d["versions"],
                        schema_version=d["schema_version"], artifacts=d.get("artifacts", {}),
-                       drafters=d.get("drafters", {}))
+                       drafters=d.get("drafters", {}), runtime_defaults=d.get("runtime_defaults", {}))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise SpecrtError(f"{path} is corrupt ({type(e).__name__}: {e}): export the bundle again") from None
 

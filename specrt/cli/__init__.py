@@ -9,7 +9,8 @@ import click
 from specrt import __version__
 from specrt.errors import SpecrtError
 
-COMMAND_MODULES = ("export_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "validate_cmd", "doctor_cmd")
+COMMAND_MODULES = ("export_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
+                   "doctor_cmd")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

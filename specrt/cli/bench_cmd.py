@@ -38,19 +38,31 @@ def _prompts(spec: str | None, per_category: int | None):
                    "corpus's held-out prompts (never trained on). Default: specrt's mixed set.")
 @click.option("--per-category", type=click.IntRange(min=1), default=None,
               help="Use only the first N prompts of each category.")
-@click.option("--drafters", default=None, help="Comma-separated drafters. Default: every drafter the bundle has.")
+@click.option("--drafters", default=None,
+              help="Comma-separated drafters; NAME+adaptive runs NAME with adaptive draft depth. Default: every "
+                   "drafter the bundle has.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--peers", "peer_names", default="", help="Comma-separated peers to run beside specrt: transformers.")
+@click.option("--peers", "peer_names", default="",
+              help="Other engines to run beside specrt on the same token ids, comma-separated: transformers "
+                   "(plain, prompt-lookup, assisted by the bundle's draft), llamacpp (plain, prompt-lookup, on "
+                   "the source GGUF), or all. Needs pip install 'specrt[peers]'.")
+@click.option("--baseline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
+              help="Also run plain decoding on this bundle (e.g. the fp32 export beside a quantized one) in the "
+                   "same run, as peer specrt-<quantization>-plain.")
 @click.option("--trees", default=None,
               help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
                    "Default: just --tree.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              metavar="DIR", help="Write a profile report here: report.md, report.json and PNG plots (time "
+              "per stage, acceptance by draft depth, and the roofline against this machine's memory "
+              "bandwidth, measured after the benchmark).")
 @runtime_options
 @sampling_options
-def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, trees, raw, json_out,
-            temperature, top_k, top_p, seed, **runtime):
+def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, trees, raw, json_out,
+            report_dir, temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.peers import make_peers
     from specrt.runtime.bench import format_table, run_bench
@@ -60,7 +72,11 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         names = [d.strip() for d in drafters.split(",") if d.strip()]
     else:
         names = available_drafters(gen.manifest)
-    peers = make_peers([p.strip() for p in peer_names.split(",") if p.strip()], gen.manifest, gen.threads)
+    peers = make_peers(peer_names, gen.manifest, gen.threads, gen.capacity)
+    if baseline is not None:
+        from specrt.peers import baseline_peer
+
+        peers.update(baseline_peer(baseline, gen.threads, gen.capacity))
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
     sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
     result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
@@ -74,3 +90,11 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         tmp.write_text(json.dumps(result, indent=2))
         tmp.replace(json_out)
         click.echo(f"results written: {json_out}")
+    if report_dir:
+        from specrt.runtime.report import write_report
+        from specrt.runtime.roofline import build_roofline, measure_bandwidth, prompt_token_counts
+
+        bandwidth = measure_bandwidth(threads=gen.threads)  # same run, after the benchmark
+        lengths = prompt_token_counts(gen, _prompts(prompts, per_category), raw)
+        roofline = build_roofline(result, gen, bandwidth, lengths)
+        click.echo(f"report written: {write_report(result, report_dir, roofline)}")

@@ -26,8 +26,11 @@ from specrt.paths import default_bundle
 @click.option("--drafter-weights", type=click.Path(path_type=Path), default=None,
               help="Checkpoint folder for the (single) --drafter: a specrt checkpoint or a public Medusa / "
                    "EAGLE / EAGLE-3 / MTP layout (safetensors, or .bin read with weights_only).")
+@click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
+              help="Weight-only quantization of every graph for CPU (ONNX Runtime MatMulNBits, block 32, int8 "
+                   "compute). The quantized target is the target: speculative output equals its own plain output.")
 @click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
-def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, no_parity_check):
+def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.bundle import ExportOptions, export_bundle
     from specrt.export.default_model import default_model_path
@@ -38,7 +41,8 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
     learned = tuple((k, drafter_weights) for k in dict.fromkeys(drafter_kinds))
     opts = ExportOptions(draft_layers=draft_layers or None, draft_model=draft_model,
-                         check_parity=not no_parity_check, drafters=learned)
+                         check_parity=not no_parity_check, drafters=learned,
+                         quantize=quantize)
     manifest = export_bundle(model, out, opts)
     checks = manifest.artifacts.get("parity_max_abs_logits", {})
     for role, g in manifest.graphs.items():
@@ -49,4 +53,9 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
         worst = max(entry["parity_max_abs"].values(), default=None)
         note = f", parity max |Δ| {worst:.1e}" if worst is not None else ""
         click.echo(f"drafter {kind}: {', '.join(entry['graphs'])}{note}")
+    q = manifest.artifacts.get("quantization")
+    if q:
+        inv = ", ".join(f"{r} {v:.1e}" for r, v in q["batch_invariance"].items())
+        click.echo(f"quantized {q['scheme']}: {sum(q['matmuls'].values())} MatMulNBits; verify vs one-token passes "
+                   f"max |Δlogits|: {inv}")
     click.echo(f"bundle written: {out}")

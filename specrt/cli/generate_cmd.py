@@ -19,8 +19,9 @@ from specrt.cli.options import (
 @click.command("generate")
 @bundle_argument
 @click.option("--prompt", required=True, help="The user prompt (chat-templated unless --raw).")
-@click.option("--drafter", default="plain", show_default=True, help="plain, ngram, draft, medusa, eagle, eagle2, eagle3 or mtp (learned drafters: export them with "
-              "--drafter KIND).")
+@click.option("--drafter", default=None,
+              help="plain, ngram, draft, medusa, eagle, eagle2, eagle3 or mtp (learned drafters: export them with "
+                   "--drafter KIND). Default: the bundle's tuned choice (`specrt tune`), else plain.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -52,13 +53,13 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         stats = {k: s[k] for k in ("new_tokens", "seconds", "tokens_per_s", "steps", "mean_accepted_len",
                                    "acceptance_rate")}
         stats["detail"] = {k: v for k, v in s.items() if k not in stats}
-        click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": drafter,
+        click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": gen.drafter_name,
                                "finish_reason": result.finish_reason, "lossy": result.lossy, "stats": stats}))
     else:
         if text.startswith(shown):
             sys.stdout.write(text[len(shown):])
         st = result.stats
         click.echo("")
-        click.echo(f"[{drafter}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
+        click.echo(f"[{gen.drafter_name}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
                    f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}"
                    + (" [LOSSY: typical acceptance]" if result.lossy else ""), err=True)

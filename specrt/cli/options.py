@@ -31,8 +31,11 @@ def runtime_options(f):
                      help="KV capacity in tokens (prompt + output). Default: min(2048, model maximum)."),
         click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
                      help="ONNX Runtime intra-op threads."),
-        click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=5, show_default=True,
-                     help="Chain length when no --tree is given."),
+        click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=None,
+                     help="Chain length when no --tree is given (default 5; the deepest draft with --adaptive)."),
+        click.option("--adaptive/--fixed-depth", default=None,
+                     help="Adaptive: choose the draft depth every step from the running acceptance and measured "
+                          "costs, falling back to plain decoding while speculation does not pay. Default: fixed."),
         click.option("--tree", default=None,
                      help="Draft tree: 'chain' (default, k drafts), a name (default, wide, binary) or a JSON "
                           "file holding a list of paths such as [[0],[1],[0,0]]."),
@@ -61,14 +64,27 @@ def sampling_options(f):
     ])
 
 
-def make_generator(bundle: Path | None, drafter: str, max_seq_len, threads, num_draft_tokens, tree, acceptance,
-                   ngram_max, ngram_min, tree_nodes=None, beam=None):
-    """The Generator for a command's BUNDLE argument and `runtime_options`."""
-    from specrt.runtime.generate import Generator
+TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
-    return Generator(resolve_bundle(bundle), drafter=drafter, max_seq_len=max_seq_len, threads=threads,
-                     num_draft_tokens=num_draft_tokens, tree=tree, acceptance=acceptance,
-                     ngram_max=ngram_max, ngram_min=ngram_min, tree_nodes=tree_nodes, beam=beam)
+
+def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
+                   acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None):
+    """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
+    bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.manifest import Manifest
+
+    path = resolve_bundle(bundle)
+    given = {"num_draft_tokens": num_draft_tokens, "tree": tree, "adaptive": adaptive, "tree_nodes": tree_nodes,
+             "beam": beam}
+    if drafter is None:
+        tuned = Manifest.load(path).runtime_defaults
+        drafter = tuned.get("drafter", "plain")
+        given = {k: v if v is not None else tuned.get(k) for k, v in given.items()}
+    return Generator(path, drafter=drafter, max_seq_len=max_seq_len, threads=threads,
+                     num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
+                     adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
+                     tree_nodes=given["tree_nodes"], beam=given["beam"])
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -1,0 +1,134 @@
+"""Weight-only quantization of exported graphs for CPU: ONNX Runtime's `MatMulNBits` (4- or 8-bit).
+
+Every MatMul with a 2-D weight initializer becomes `MatMulNBits` (block-wise symmetric scales along
+the input dimension); the tied LM head's `Gemm(x, E, transB=1)` is first rewritten as
+`MatMul(x, Eᵀ)` so it is quantized too (the embedding table stays fp32: a Gather reads one row per
+token). Activations, KV cache, norms and attention stay fp32.
+
+`accuracy_level=4` lets ORT quantize activations to int8 per block and use its int8 dot-product
+kernels. Each row is quantized on its own, so a k-token verify pass computes bit-identical logits
+to k one-token passes (checked at export: `batch_invariance`) — the quantized target is the
+target, and speculative output equals its own plain greedy output.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from specrt.errors import SpecrtError
+
+
+@dataclass(frozen=True)
+class Scheme:
+    bits: int
+    block_size: int
+    accuracy_level: int  # 4: int8 activations, int8 dot products; 0: fp32 compute
+
+
+SCHEMES = {
+    "int4": Scheme(bits=4, block_size=32, accuracy_level=4),
+    "int8": Scheme(bits=8, block_size=32, accuracy_level=4),
+}
+
+
+def scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise SpecrtError(f"unknown quantization {name!r}: choose from {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
+def _quantizer():
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            MatMulNBitsQuantizer,
+        )
+    except ImportError as e:
+        raise SpecrtError(f"weight quantization needs onnxruntime's quantization tools ({e}): "
+                          "pip install 'specrt[export]'") from None
+    return MatMulNBitsQuantizer, DefaultWeightOnlyQuantConfig
+
+
+def untie_head(model: onnx.ModelProto) -> int:
+    """Rewrite `Gemm(x, W, transB=1)` on an initializer W as `MatMul(x, Wᵀ)` (a new initializer);
+    returns how many were rewritten."""
+    inits = {t.name: t for t in model.graph.initializer}
+    done = 0
+    for node in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits
+                or attrs.get("transB") != 1 or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0):
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        name = f"{node.input[1]}.T"
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), name))
+        node.op_type, node.input[1] = "MatMul", name
+        del node.attribute[:]
+        done += 1
+    return done
+
+
+def quantize_model(model: onnx.ModelProto, s: Scheme) -> tuple[onnx.ModelProto, int]:
+    """The quantized model and the number of MatMulNBits nodes in it."""
+    quantizer_cls, config_cls = _quantizer()
+    untie_head(model)
+    config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
+    level = logging.getLogger("onnxruntime.quantization").level
+    logging.getLogger().setLevel(logging.WARNING)  # the quantizer logs every node it skips at INFO
+    try:
+        q = quantizer_cls(model, bits=s.bits, block_size=s.block_size, is_symmetric=True,
+                          accuracy_level=s.accuracy_level, algo_config=config)
+        q.process()
+    finally:
+        logging.getLogger("onnxruntime.quantization").setLevel(level)
+    out = q.model.model
+    # the quantizer leaves the fp32 copies of rewritten heads behind when nothing else reads them
+    used = {i for n in out.graph.node for i in n.input}
+    kept = [t for t in out.graph.initializer if t.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node)
+
+
+def quantize_file(path: Path, s: Scheme) -> int:
+    """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the
+    number of quantized MatMuls. Written under the final names in a scratch folder, then moved over."""
+    path = Path(path)
+    data = path.name + ".data"
+    out, count = quantize_model(onnx.load(str(path), load_external_data=True), s)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        onnx.save_model(out, str(Path(scratch) / path.name), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data, size_threshold=1024)
+        (Path(scratch) / data).replace(path.with_name(data))
+        (Path(scratch) / path.name).replace(path)
+    return count
+
+
+def describe(name: str) -> dict:
+    return {"scheme": name, **asdict(scheme(name)), "op": "com.microsoft.MatMulNBits"}
+
+
+def batch_invariance(path: Path, cfg, prompt_len: int = 12, window: int = 6, seed: int = 0) -> float:
+    """Max |Δlogits| between one `window`-token verify pass and `window` one-token passes over the
+    same tokens (0.0: the graph is batch-invariant, so speculative greedy equals plain greedy)."""
+    from specrt.runtime.backend_ort import OrtDecoder
+
+    dec = OrtDecoder(path, cfg, prompt_len + window + 1, threads=2)
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_len + window)
+
+    def run(chunk, past):
+        t = len(chunk)
+        return dec.run(chunk[None], np.arange(past, past + t)[None], np.array([past]),
+                       np.tril(np.ones((t, t), bool))[None], np.arange(t)[None])[0][0]
+
+    run(ids[:prompt_len], 0)
+    verify = run(ids[prompt_len:], prompt_len)
+    single = np.stack([run(ids[prompt_len + i : prompt_len + i + 1], prompt_len + i)[0] for i in range(window)])
+    return float(np.abs(verify - single).max())

@@ -1,0 +1,131 @@
+"""`specrt export --quantize`: MatMulNBits graphs that keep the contract — batch-invariant logits, so
+speculative greedy output equals the quantized target's own plain greedy output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from specrt.cli import cli
+from specrt.export import quantize
+from specrt.export.bundle import ExportOptions, export_bundle
+from specrt.runtime.generate import Generator
+from specrt.runtime.manifest import Manifest
+from tests.helpers import save_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer_dir):
+    return save_tiny_folder(tmp_path_factory.mktemp("qtiny") / "llama", "llama", tokenizer_dir,
+                            vocab_size=49152, max_position_embeddings=64, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def fp32_tiny(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qb") / "fp32"
+    export_bundle(tiny_folder, out, ExportOptions(draft_layers=1, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_tiny(request, tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qb") / request.param
+    export_bundle(tiny_folder, out, ExportOptions(draft_layers=1, progress=False, quantize=request.param))
+    return out, request.param
+
+
+def _ops(path):
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_every_weight_matmul_is_quantized_and_recorded(quantized_tiny):
+    bundle, name = quantized_tiny
+    m = Manifest.load(bundle)
+    q = m.artifacts["quantization"]
+    assert q["scheme"] == name and q["bits"] == {"int4": 4, "int8": 8}[name]
+    for role in ("target", "draft"):
+        ops = _ops(bundle / m.graphs[role].file)
+        layers = m.graphs[role].config.num_layers
+        # q/k/v (fused or not), o, gate/up (fused or not), down per layer, and the LM head
+        assert ops.count("MatMulNBits") == q["matmuls"][role] >= 3 * layers + 1
+        assert "Gemm" not in ops  # the tied head was untied and quantized
+    assert q["batch_invariance"] == {"target": 0.0, "draft": 0.0}
+
+
+def test_manifest_hashes_match_the_quantized_files(quantized_tiny):
+    from specrt.runtime.manifest import sha256_file
+
+    bundle, _ = quantized_tiny
+    entry = Manifest.load(bundle).target
+    folder = (bundle / entry.file).parent
+    assert entry.sha256 == {f: sha256_file(folder / f) for f in entry.sha256}
+
+
+@pytest.mark.parametrize("drafter,tree", [("ngram", None), ("draft", None), ("draft", "binary"), ("ngram", "default")])
+def test_speculative_equals_own_plain_greedy(quantized_tiny, drafter, tree):
+    bundle, _ = quantized_tiny
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 9, 12, 3, 4, 5]
+    plain = Generator(bundle, max_seq_len=64).generate_ids(prompt, 40).token_ids
+    res = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=64, num_draft_tokens=4).generate_ids(prompt, 40)
+    assert res.token_ids == plain
+    assert res.stats.steps < len(plain)  # drafts were accepted: the check is not plain vs plain
+
+
+def test_untie_head_keeps_the_output():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((50, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 50])], [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    assert quantize.untie_head(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMul"]
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_quantized_logits_stay_close_to_fp32(quantized_tiny, fp32_tiny):
+    """Weight-only quantization moves logits, but not far: same random tiny weights, same inputs."""
+    bundle, name = quantized_tiny
+    ids = [3, 4, 5, 6, 7, 8]
+    outs = []
+    for b in (bundle, fp32_tiny):
+        g = Generator(b, max_seq_len=16)
+        outs.append(g.forward(np.asarray(ids), 0))
+    err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()
+    assert err < {"int4": 0.25, "int8": 0.02}[name], err
+
+
+def test_unknown_scheme_is_refused_before_loading(tmp_path):
+    result = CliRunner().invoke(cli, ["export", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "b"),
+                                      "--quantize", "int3"])
+    assert result.exit_code != 0 and "int3" in result.output
+    with pytest.raises(Exception, match="int3"):
+        quantize.scheme("int3")
+
+
+@pytest.mark.slow
+def test_real_int4_bundle_is_batch_invariant_and_lossless(real_model, tmp_path_factory):
+    """The real model quantized to int4: verify pass == one-token passes bit for bit, and speculative
+    greedy (n-gram and the truncated draft) equals the int4 target's own plain greedy on real prompts."""
+    out = tmp_path_factory.mktemp("int4") / "smollm2-int4"
+    export_bundle(real_model, out, ExportOptions(draft_layers=4, progress=False, quantize="int4",
+                                                 check_parity=False))
+    q = json.loads((out / "manifest.json").read_text())["artifacts"]["quantization"]
+    assert q["batch_invariance"] == {"target": 0.0, "draft": 0.0}
+    gen = Generator(out, max_seq_len=512)
+    for prompt in ("Write a Python function that reverses a string, then use it on three words.",
+                   "Rewrite this sentence in the passive voice: The committee approved the new budget."):
+        ids = gen.tokenizer.encode_prompt(prompt)
+        plain = gen.use("plain").generate_ids(ids, 64).token_ids
+        for drafter in ("ngram", "draft"):
+            assert gen.use(drafter).generate_ids(ids, 64).token_ids == plain, (drafter, prompt)
