@@ -26,7 +26,7 @@ TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help
+.PHONY: setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
 	@echo "make run | setup | export | build | test | bench | tune | train | bench-drafters | validate | lint | doctor | clean"
@@ -92,7 +92,7 @@ bench-drafters: build
 		--json $(SPECRT_HOME)/bench/drafters.json
 
 validate: build
-	$(SPECRT) validate $(BUNDLE) --lossless --samples 1000
+	$(SPECRT) validate $(BUNDLE) --lossless --polygraphy --samples 1000
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -106,3 +106,8 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV) $(SPECRT_HOME)
+
+# Triton kernels on a CUDA GPU vs the NumPy references, kernel timing and a CUDA-graph replay
+# (exit 2 without a CUDA GPU with torch+triton). Report: $(SPECRT_HOME)/gpu_check/report.md + .json
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --out $(SPECRT_HOME)/gpu_check

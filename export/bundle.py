@@ -24,6 +24,7 @@ from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.drafter_export import export_drafter
 from specrt.export.loading import LoadedModel, load_model
 from specrt.export.modeling import DecoderLM
+from specrt.export.reference_io import save_references
 from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.manifest import GraphEntry, Manifest, sha256_file
 
@@ -229,6 +230,8 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
                                           f"{PARITY_TOLERANCE} ({checks[role]}); please report this model")
             steps.update()
             artifacts = {"parity_max_abs_logits": checks}
+            if opts.check_parity:  # the fp32 modules' reference I/O, for `specrt validate --polygraphy`
+                artifacts["reference_io"] = save_references(modules, graphs, tmp, taps)
             if opts.quantize:
                 steps.set_postfix_str(f"quantizing ({opts.quantize})")
                 artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize)

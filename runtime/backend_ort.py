@@ -30,7 +30,21 @@ def session_options(threads: int, spin: bool = True) -> ort.SessionOptions:
     return so
 
 
-class OrtDecoder:
+class Decoder:
+    """What every backend's decoder offers on top of its `run_all` (ONNX Runtime here, TensorRT in
+    backend_trt.py)."""
+
+    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict:
+        raise NotImplementedError
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
+            tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One forward pass; returns (logits [B,R,V], hidden_states [B,T,H]). KV is updated in place."""
+        outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
+        return outs["logits"], outs["hidden_states"]
+
+
+class OrtDecoder(Decoder):
     """A decoder graph with its own KV cache of `capacity` rows per sequence.
 
     Any graph following the contract works: the target and draft LMs, and the learned drafters'
@@ -59,12 +73,6 @@ class OrtDecoder:
                 value = ort.OrtValue.ortvalue_from_numpy(self.kv[2 * i + j])
                 self.binding.bind_ortvalue_input(f"past_{kind}.{i}", value)
                 self.binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
-
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
-            tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One forward pass; returns (logits [B,R,V], hidden_states [B,T,H]). KV is updated in place."""
-        outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
-        return outs["logits"], outs["hidden_states"]
 
     def run_all(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
                 tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> dict[str, np.ndarray]:

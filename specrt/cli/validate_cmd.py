@@ -1,4 +1,5 @@
-"""`specrt validate`: checks of a bundle's graphs (today: --lossless, the statistical sampling check)."""
+"""`specrt validate`: checks of a bundle's graphs: --lossless (the statistical sampling check) and
+--polygraphy (the graphs' outputs vs the PyTorch reference saved at export, through Polygraphy)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from specrt.errors import SpecrtError
 @bundle_argument
 @click.option("--lossless", is_flag=True,
               help="Speculative sampling vs the exact target distribution (chi-square, α=1e-3) on this bundle.")
+@click.option("--polygraphy", is_flag=True,
+              help="Polygraphy: ONNX Runtime outputs vs the PyTorch reference saved at export (and TensorRT vs "
+                   "ONNX Runtime where engines exist), with tolerances by precision.")
 @click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
 @click.option("--tree", default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
@@ -24,20 +28,39 @@ from specrt.errors import SpecrtError
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(bundle, lossless, drafter, tree, samples, length, top_k, seed, threads, as_json):
+def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k, seed, threads, as_json):
     """Validate BUNDLE; exits 0 only if every requested check passes."""
+    if not (lossless or polygraphy):
+        raise SpecrtError("choose a check: --lossless and/or --polygraphy")
+    reports = {}
+    if polygraphy:
+        reports["polygraphy"] = _polygraphy(resolve_bundle(bundle), threads, as_json)
+    if lossless:
+        reports["lossless"] = _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json)
+    if as_json:  # --lossless alone prints its report as before; with --polygraphy, one object keyed by check
+        click.echo(json.dumps(reports if polygraphy else reports["lossless"]))
+    if any(r["verdict"] != "pass" for r in reports.values()):
+        raise SystemExit(1)
+
+
+def _polygraphy(bundle, threads, as_json) -> dict:
+    from specrt.runtime.polygraphy_check import format_report, polygraphy_check
+
+    report = polygraphy_check(bundle, threads=threads)
+    if not as_json:
+        for line in format_report(report):
+            click.echo(line)
+    return report
+
+
+def _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json) -> dict:
     from specrt.runtime.validate import lossless_check
 
-    if not lossless:
-        raise SpecrtError("choose a check: --lossless")
     result, detail = lossless_check(resolve_bundle(bundle), drafter, tree, samples, length, top_k, seed=seed,
                                     threads=threads, progress=not as_json)
     report = {**result.to_dict(), **detail}
-    if as_json:
-        click.echo(json.dumps(report))
-    else:
+    if not as_json:
         click.echo(f"lossless ({detail['drafter']}, tree {detail['tree']}): chi-square {result.statistic:.2f} "
                    f"vs threshold {result.threshold:.2f} (dof {result.dof}, α={result.alpha}, {result.samples} samples, "
                    f"TV {result.total_variation:.3f}, {detail['accepted_drafts']} drafts accepted) → {result.verdict}")
-    if result.verdict != "pass":
-        raise SystemExit(1)
+    return report
