@@ -29,7 +29,7 @@ DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f
 .PHONY: setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | export | build | test | bench | tune | train | bench-drafters | validate | lint | doctor | clean"
+	@echo "make run | setup | export | build | test | bench | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

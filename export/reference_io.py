@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specrt.export.modeling import DecoderLM
+from specrt.runtime.tree import Tree
 
 REFERENCE_DIR = "reference"
 RUNNER = "pytorch"
@@ -24,16 +25,10 @@ PARENTS = (-1, 0, 0, 1, 1, 2)  # a branching tree of 6 tokens: root, two childre
 
 
 def tree_inputs(parents=PARENTS) -> tuple[np.ndarray, np.ndarray]:
-    """(tree_mask [1,T,T], position_ids [1,T]) of a tree given by its parent list (parents[0] = -1)."""
-    t = len(parents)
-    mask, depth = np.zeros((t, t), bool), np.zeros(t, np.int64)
-    for i in range(t):
-        j = i
-        while j >= 0:  # every ancestor, and the token itself
-            mask[i, j] = True
-            j = parents[j]
-        depth[i] = mask[i].sum() - 1
-    return mask[None], depth[None]
+    """(tree_mask [1,T,T], position_ids [1,T]) of a tree given by its parent list (parents[0] = -1):
+    the runtime's own Tree, positions = depth."""
+    tree = Tree.from_parents(list(parents))
+    return tree.mask[None], tree.depth.astype(np.int64)[None]
 
 
 def reference_feed(module: DecoderLM, seed: int = 0) -> dict[str, np.ndarray]:
