@@ -45,6 +45,7 @@ def scheme(name: str) -> Scheme:
 
 
 def _quantizer():
+    root = logging.getLogger().level  # the module calls logging.basicConfig(level=INFO) on import
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import (
             DefaultWeightOnlyQuantConfig,
@@ -53,6 +54,8 @@ def _quantizer():
     except ImportError as e:
         raise SpecrtError(f"weight quantization needs onnxruntime's quantization tools ({e}): "
                           "pip install 'specrt[export]'") from None
+    finally:
+        logging.getLogger().setLevel(root)
     return MatMulNBitsQuantizer, DefaultWeightOnlyQuantConfig
 
 
@@ -80,14 +83,15 @@ def quantize_model(model: onnx.ModelProto, s: Scheme) -> tuple[onnx.ModelProto, 
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
     config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
-    level = logging.getLogger("onnxruntime.quantization").level
-    logging.getLogger().setLevel(logging.WARNING)  # the quantizer logs every node it skips at INFO
+    log = logging.getLogger("onnxruntime.quantization")  # it logs every node it skips at INFO
+    level = log.level
+    log.setLevel(logging.WARNING)
     try:
         q = quantizer_cls(model, bits=s.bits, block_size=s.block_size, is_symmetric=True,
                           accuracy_level=s.accuracy_level, algo_config=config)
         q.process()
     finally:
-        logging.getLogger("onnxruntime.quantization").setLevel(level)
+        log.setLevel(level)
     out = q.model.model
     # the quantizer leaves the fp32 copies of rewritten heads behind when nothing else reads them
     used = {i for n in out.graph.node for i in n.input}
@@ -119,14 +123,15 @@ def batch_invariance(path: Path, cfg, prompt_len: int = 12, window: int = 6, see
     """Max |Δlogits| between one `window`-token verify pass and `window` one-token passes over the
     same tokens (0.0: the graph is batch-invariant, so speculative greedy equals plain greedy)."""
     from specrt.runtime.backend_ort import OrtDecoder
+    from specrt.runtime.tree import Tree
 
     dec = OrtDecoder(path, cfg, prompt_len + window + 1, threads=2)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_len + window)
 
     def run(chunk, past):
-        t = len(chunk)
-        return dec.run(chunk[None], np.arange(past, past + t)[None], np.array([past]),
-                       np.tril(np.ones((t, t), bool))[None], np.arange(t)[None])[0][0]
+        chain = Tree.chain(len(chunk) - 1)
+        return dec.run(chunk[None], (past + chain.depth)[None], np.array([past]), chain.mask[None],
+                       np.arange(chain.size)[None])[0][0]
 
     run(ids[:prompt_len], 0)
     verify = run(ids[prompt_len:], prompt_len)
