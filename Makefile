@@ -26,10 +26,10 @@ TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: serve bench-serve setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | export | build | test | bench | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | export | build | test | bench | serve | bench-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -111,3 +111,14 @@ distclean: clean
 # (exit 2 without a CUDA GPU with torch+triton). Report: $(SPECRT_HOME)/gpu_check/report.md + .json
 gpu-check: setup
 	$(PY) scripts/gpu_check.py --out $(SPECRT_HOME)/gpu_check
+
+# The OpenAI-compatible server over the default bundle (Ctrl-C to stop); PORT, SLOTS, DRAFTER.
+PORT ?= 8000
+SLOTS ?= 8
+serve: $(BUNDLE)/manifest.json
+	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS)
+
+# Server throughput and latency at concurrency 1, 4, 8: batched beside batch-1 serving, one run.
+bench-serve: $(BUNDLE)/manifest.json
+	$(SPECRT) bench-serve $(BUNDLE) --drafter $(DRAFTER) --threads $(THREADS) --max-seq-len 1024 \
+		--json $(SPECRT_HOME)/bench/serve.json

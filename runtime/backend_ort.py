@@ -43,6 +43,15 @@ class Decoder:
         outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
         return outs["logits"], outs["hidden_states"]
 
+    def check_slots(self, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= self.batch:
+            raise SpecrtError(f"internal: slots {start}..{stop - 1} outside the cache's {self.batch}")
+
+    def check_rows(self, past_len: np.ndarray, window: int) -> None:
+        end = int(past_len.max()) + window
+        if end > self.capacity:
+            raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
+
 
 class OrtDecoder(Decoder):
     """A decoder graph with its own KV cache of `capacity` rows per sequence.
@@ -68,18 +77,32 @@ class OrtDecoder(Decoder):
         self.output_names = [o.name for o in self.session.get_outputs() if not o.name.startswith("present_")]
         for name in self.output_names:
             self.binding.bind_output(name)
-        for i in range(cfg.num_layers):
+        self._views: dict[tuple[int, int], list] = {}
+        self.slots = (0, batch)
+        self._bind_kv(0, batch)
+
+    def _bind_kv(self, start: int, stop: int) -> None:
+        """Bind sequence slots start..stop-1 of every KV buffer (a contiguous view: no copy) as the
+        pass's batch; the OrtValues of each range are made once."""
+        if (start, stop) not in self._views:
+            self._views[(start, stop)] = [ort.OrtValue.ortvalue_from_numpy(buf[start:stop]) for buf in self.kv]
+        values = self._views[(start, stop)]
+        for i in range(self.cfg.num_layers):
             for j, kind in enumerate(("key", "value")):
-                value = ort.OrtValue.ortvalue_from_numpy(self.kv[2 * i + j])
-                self.binding.bind_ortvalue_input(f"past_{kind}.{i}", value)
-                self.binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
+                self.binding.bind_ortvalue_input(f"past_{kind}.{i}", values[2 * i + j])
+                self.binding.bind_ortvalue_output(f"present_{kind}.{i}", values[2 * i + j])
+
+    def select(self, start: int, stop: int) -> None:
+        """Make the next passes run over sequence slots start..stop-1 (their inputs have batch stop-start)."""
+        self.check_slots(start, stop)
+        if (start, stop) != self.slots:
+            self._bind_kv(start, stop)
+            self.slots = (start, stop)
 
     def run_all(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
                 tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> dict[str, np.ndarray]:
         """One forward pass; every non-KV output by name (e.g. aux_hidden_states)."""
-        end = int(past_len.max()) + input_ids.shape[1]
-        if end > self.capacity:
-            raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
+        self.check_rows(past_len, input_ids.shape[1])
         b = self.binding
         b.bind_cpu_input("input_ids", input_ids)
         b.bind_cpu_input("position_ids", position_ids)
@@ -93,11 +116,13 @@ class OrtDecoder(Decoder):
         self.session.run_with_iobinding(b)
         return {name: v.numpy() for name, v in zip(self.output_names, b.get_outputs(), strict=False)}
 
-    def compact(self, dst: int, rows: list[int]) -> None:
-        """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer."""
+    def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
+        """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer, in
+        sequence `slot` (default: every sequence)."""
         src = np.asarray(rows)
+        b = slice(None) if slot is None else slice(slot, slot + 1)
         for buf in self.kv:
-            buf[:, :, dst : dst + len(rows)] = buf[:, :, src]
+            buf[b, :, dst : dst + len(rows)] = buf[b, :, src]
 
 
 def top_desc(x: np.ndarray, r: int) -> np.ndarray:

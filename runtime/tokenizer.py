@@ -53,7 +53,11 @@ class Tokenizer:
         """Token ids for a user prompt: chat-templated unless `raw` (then as the tokenizer encodes text)."""
         if raw:
             return self.tok.encode(prompt, add_special_tokens=True).ids
-        return self.tok.encode(self.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False).ids
+        return self.encode_chat([{"role": "user", "content": prompt}])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (ending with the assistant's turn)."""
+        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -10,7 +10,7 @@ from specrt import __version__
 from specrt.errors import SpecrtError
 
 COMMAND_MODULES = ("export_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
-                   "doctor_cmd")
+                   "doctor_cmd", "serve_cmd", "export_triton_cmd", "bench_serve_cmd")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,11 +30,13 @@ def _register() -> None:
 _register()
 
 
-def main() -> None:
+def run(group: click.Group, prog: str) -> None:
+    """Run a click `group` as a program: a `SpecrtError` is one line `PROG: error: ...` and exit 1, Ctrl-C
+    exits 130, click's usage errors keep their own message and code. `specrt` and `specrt-run` share it."""
     try:
-        cli.main(standalone_mode=False)
+        group.main(prog_name=prog, standalone_mode=False)
     except SpecrtError as e:
-        click.echo(f"specrt: error: {e}", err=True)
+        click.echo(f"{prog}: error: {e}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -44,3 +46,7 @@ def main() -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+
+
+def main() -> None:
+    run(cli, "specrt")

@@ -13,7 +13,13 @@ from specrt.cli.options import bundle_argument, resolve_bundle
               help="auto: ONNX Runtime artifacts, plus TensorRT engines when TensorRT is installed.")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", show_default=True,
               help="TensorRT precision.")
-def command(bundle, backend, precision):
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
+              help="TensorRT: the KV capacity the engines pin (generate with the same --max-seq-len). "
+                   "Default: min(2048, model maximum), the runtime's default.")
+@click.option("--max-window", type=click.IntRange(min=1), default=None,
+              help="TensorRT: the largest window per pass (drafted tree + root; longer prefills run in chunks). "
+                   "Default: 64.")
+def command(bundle, backend, precision, max_seq_len, max_window):
     """Build engines for BUNDLE and record them in its manifest."""
     from specrt.engines.ort import build_ort
     from specrt.engines.trt import INSTALL_HINT, build_trt, tensorrt_available
@@ -27,7 +33,8 @@ def command(bundle, backend, precision):
         for role, g in manifest.artifacts["onnxruntime"]["graphs"].items():
             click.echo(f"onnxruntime: {role} -> {g['file']} ({g['seconds']}s)")
     if backend == "trt" or (backend == "auto" and tensorrt_available()):
-        manifest.artifacts["tensorrt"] = build_trt(path, manifest, precision)
+        manifest.artifacts["tensorrt"] = build_trt(path, manifest, precision, capacity=max_seq_len,
+                                                   max_window=max_window)
         manifest.save(path)
     elif backend == "auto":
         click.echo(f"note: {INSTALL_HINT}.\nnote: built the ONNX Runtime artifacts only.")

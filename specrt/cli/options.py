@@ -31,6 +31,10 @@ def runtime_options(f):
                      help="KV capacity in tokens (prompt + output). Default: min(2048, model maximum)."),
         click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
                      help="ONNX Runtime intra-op threads."),
+        click.option("--backend", type=click.Choice(["ort", "ort-device", "ort-cuda", "trt"]), default="ort",
+                     show_default=True, help="The target's backend: ort (ONNX Runtime, CPU), ort-cuda (ONNX Runtime's "
+                     "CUDA provider, onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), "
+                     "ort-device (the device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU."),
         click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=None,
                      help="Chain length when no --tree is given (default 5; the deepest draft with --adaptive)."),
         click.option("--adaptive/--fixed-depth", default=None,
@@ -68,7 +72,8 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
-                   acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None):
+                   acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
+                   backend="ort"):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
     from specrt.runtime.generate import Generator
@@ -84,7 +89,8 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
     return Generator(path, drafter=drafter, max_seq_len=max_seq_len, threads=threads,
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
-                     tree_nodes=given["tree_nodes"], beam=given["beam"])
+                     tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
+                     backend=backend)
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -204,3 +204,29 @@ def test_tree_attention_aot_wrapper_compiles_to_ptx_in_the_aot_argument_order():
         assert params[5 + n] == ".u64", (dtype, params)  # out pointer
         # anything after is Triton's hidden scratch pointers, which the AOT launch does not pass
         assert all(p == ".u64" for p in params[6 + n :]), (dtype, params)
+
+
+# ── `specrt build` settings ───────────────────────────────────────────────────────────────────────
+def test_build_passes_capacity_and_window_to_the_tensorrt_build(tiny_bundle, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+    from specrt.engines import trt
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text((tiny_bundle / "manifest.json").read_text())  # all build reads here
+    seen = {}
+
+    def fake_build(path, manifest, precision, capacity=None, max_window=None, progress=True):
+        seen.update(precision=precision, capacity=capacity, max_window=max_window)
+        return plan.manifest_entry("10.15.1", precision, capacity, max_window, {})
+
+    monkeypatch.setattr(trt, "build_trt", fake_build)
+    args = ["build", str(bundle), "--backend", "trt", "--precision", "fp32", "--max-seq-len", "40", "--max-window", "12"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert seen == {"precision": "fp32", "capacity": 40, "max_window": 12}
+    entry = Manifest.load(bundle).artifacts["tensorrt"]
+    assert (entry["capacity"], entry["max_window"]) == (40, 12)
+    assert CliRunner().invoke(cli, ["build", str(bundle), "--backend", "trt", "--max-window", "0"]).exit_code == 2

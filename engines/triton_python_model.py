@@ -1,0 +1,105 @@
+"""Triton Inference Server Python-backend model: specrt's speculative loop behind one endpoint.
+
+`specrt export-triton` copies this file verbatim to `specrt_generate/1/model.py`. It runs inside
+Triton's Python backend stub (`triton_python_backend_utils` exists only there), with specrt installed
+in the stub's Python. Each model instance loads the bundle copied beside it (config.pbtxt parameter
+`bundle`, relative to this file) with specrt's `Generator` and answers one request at a time:
+
+    text_input  TYPE_STRING [1]            the prompt (chat template applied unless raw=true)
+    max_tokens  TYPE_INT32  [1] optional   new tokens (default: parameter max_tokens)
+    temperature TYPE_FP32   [1] optional   0 = greedy (default)
+    top_p       TYPE_FP32   [1] optional   1 = off
+    top_k       TYPE_INT32  [1] optional   0 = off
+    seed        TYPE_INT64  [1] optional   same seed, same output
+    raw         TYPE_BOOL   [1] optional   skip the chat template
+ →  text_output, finish_reason (TYPE_STRING [1]); tokens (TYPE_INT32 [1]);
+    mean_accepted_length, acceptance_rate, tokens_per_s (TYPE_FP32 [1]); stats_json (TYPE_STRING [1])
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+DEFAULTS = {"bundle": "bundle", "drafter": "", "max_seq_len": "", "threads": "2", "num_draft_tokens": "5",
+            "max_tokens": "128"}
+
+
+def _parameters(model_config: dict) -> dict:
+    """config.pbtxt `parameters` (string values) over the defaults."""
+    given = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    return {**DEFAULTS, **{k: v for k, v in given.items() if v != ""}}
+
+
+def _scalar(request, name: str, default):
+    """The first element of optional input `name`, or `default` when the request does not carry it."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    values = tensor.as_numpy().reshape(-1)
+    if values.size == 0:
+        return default
+    value = values[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _tensor(name: str, value, dtype) -> "pb_utils.Tensor":
+    if dtype is np.object_:
+        return pb_utils.Tensor(name, np.array([str(value).encode("utf-8")], dtype=np.object_))
+    return pb_utils.Tensor(name, np.array([value], dtype=dtype))
+
+
+class TritonPythonModel:
+    """One `Generator` per model instance (instances do not share KV buffers)."""
+
+    def initialize(self, args):
+        from specrt.runtime.generate import Generator
+        from specrt.runtime.manifest import Manifest
+
+        params = _parameters(json.loads(args["model_config"]))
+        bundle = Path(params["bundle"])
+        if not bundle.is_absolute():
+            bundle = Path(__file__).resolve().parent / bundle
+        tuned = Manifest.load(bundle).runtime_defaults
+        drafter = params["drafter"] or tuned.get("drafter", "plain")
+        self.max_tokens = int(params["max_tokens"])
+        self.generator = Generator(
+            bundle, drafter=drafter, max_seq_len=int(params["max_seq_len"]) if params["max_seq_len"] else None,
+            threads=int(params["threads"]), num_draft_tokens=int(params["num_draft_tokens"]))
+
+    def execute(self, requests):
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request):
+        from specrt.errors import SpecrtError
+        from specrt.runtime.sampling import SamplingParams
+
+        try:
+            prompt = _scalar(request, "text_input", None)
+            if prompt is None:
+                raise SpecrtError("the request has no text_input: send the prompt as a TYPE_STRING [1] tensor")
+            sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
+                                      top_k=int(_scalar(request, "top_k", 0)),
+                                      top_p=float(_scalar(request, "top_p", 1.0)),
+                                      seed=_scalar(request, "seed", None))
+            max_tokens = int(_scalar(request, "max_tokens", self.max_tokens))
+            if max_tokens < 1:
+                raise SpecrtError(f"max_tokens {max_tokens} must be >= 1")
+            result = self.generator.generate(prompt, max_new_tokens=max_tokens,
+                                             raw=bool(_scalar(request, "raw", False)), sampling=sampling)
+        except (SpecrtError, ValueError, TypeError) as e:  # a bad request fails alone, not the batch
+            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+        stats = result.stats
+        return pb_utils.InferenceResponse(output_tensors=[
+            _tensor("text_output", result.text, np.object_),
+            _tensor("finish_reason", result.finish_reason, np.object_),
+            _tensor("tokens", len(result.token_ids), np.int32),
+            _tensor("mean_accepted_length", stats.mean_accepted_len, np.float32),
+            _tensor("acceptance_rate", stats.acceptance_rate, np.float32),
+            _tensor("tokens_per_s", stats.tokens_per_s, np.float32),
+            _tensor("stats_json", json.dumps({"drafter": self.generator.drafter_name, **stats.to_dict()}), np.object_),
+        ])
+
+    def finalize(self):
+        self.generator = None

@@ -1,0 +1,109 @@
+"""The decoder backends by name: one registry, one `make_decoder`.
+
+    ort         ONNX Runtime on the CPU, numpy KV buffers bound in place (the default; always tested)
+    ort-device  ONNX Runtime's device path (device KV, per-shape buffers, on-device compaction) run on
+                the CPU provider: what the CUDA path does, checkable on any machine
+    ort-cuda    ONNX Runtime's CUDA provider (`pip install onnxruntime-gpu`), CUDA graphs per bucket
+    trt         TensorRT engines built by `specrt build --backend trt`; needs `engine_path` and
+                `max_window` (see `trt_options`), batch 1, KV capacity as built
+
+Every factory takes (path, cfg, capacity, threads, batch, spin) plus its own keyword options.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+from specrt.runtime.backend_ort import Decoder
+from specrt.runtime.config import DecoderConfig
+
+
+def _ort(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool) -> Decoder:
+    from specrt.runtime.backend_ort import OrtDecoder
+
+    return OrtDecoder(path, cfg, capacity, threads, batch, spin)
+
+
+def _ort_device(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool) -> Decoder:
+    from specrt.runtime.backend_ort_device import OrtDeviceDecoder
+
+    return OrtDeviceDecoder(path, cfg, capacity, threads, batch, spin, device="cpu", cuda_graphs=False)
+
+
+def _ort_cuda(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
+              cuda_graphs: bool = True) -> Decoder:
+    from specrt.runtime.backend_ort_device import OrtDeviceDecoder
+
+    return OrtDeviceDecoder(path, cfg, capacity, threads, batch, spin, device="cuda", cuda_graphs=cuda_graphs)
+
+
+def _trt(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
+         engine_path: Path | None = None, max_window: int | None = None, cuda_graphs: bool = True) -> Decoder:
+    """`path` (the ONNX graph) is not read: a TensorRT engine is its own file, named in the manifest."""
+    from specrt.runtime.backend_trt import TrtDecoder
+
+    if engine_path is None or max_window is None:
+        raise SpecrtError("backend trt needs engine_path and max_window: get them with "
+                          "specrt.runtime.backends.trt_options(bundle, manifest, role, capacity)")
+    if batch != 1:
+        raise SpecrtError(f"backend trt runs batch 1, got batch {batch}: use backend ort or ort-cuda")
+    return TrtDecoder(engine_path, cfg, capacity, max_window, cuda_graphs=cuda_graphs)
+
+
+@dataclass(frozen=True)
+class Backend:
+    factory: Callable[..., Decoder]
+    summary: str  # one line for --help
+    bundle_options: Callable[..., dict] | None = None  # (bundle, manifest, role, capacity) -> options
+
+
+BACKENDS: dict[str, Backend] = {
+    "ort": Backend(_ort, "ONNX Runtime on the CPU (default)"),
+    "ort-device": Backend(_ort_device, "ONNX Runtime's device path on the CPU provider (for tests)"),
+    "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
+    "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",
+                   lambda *a: trt_options(*a)),
+}
+BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
+
+
+def make_decoder(backend: str, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2,
+                 batch: int = 1, spin: bool = True, **options) -> Decoder:
+    """A decoder for the graph at `path` on backend `backend` (a key of BACKENDS)."""
+    entry = BACKENDS.get(backend)
+    if entry is None:
+        raise SpecrtError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    known = [p for p in inspect.signature(entry.factory).parameters if p not in BASE_ARGS]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise SpecrtError(f"backend {backend} takes no option {', '.join(unknown)} "
+                          f"(its options: {', '.join(known) or 'none'})")
+    return entry.factory(Path(path), cfg, int(capacity), threads, batch, spin, **options)
+
+
+def trt_options(bundle: Path, manifest, role: str, capacity: int) -> dict:
+    """`engine_path` and `max_window` of `role`'s TensorRT engine, from the bundle's manifest.
+
+    The engines pin the KV capacity they were built for, so `capacity` must equal it."""
+    built = manifest.artifacts.get("tensorrt")
+    if not built or role not in built.get("graphs", {}):
+        raise SpecrtError(f"bundle {bundle} has no TensorRT engine for {role}: run `specrt build {bundle} "
+                          "--backend trt` on a machine with TensorRT")
+    if int(built["capacity"]) != int(capacity):
+        raise SpecrtError(f"the TensorRT engines of {bundle} were built for KV capacity {built['capacity']}, not "
+                          f"{capacity}: use --max-seq-len {built['capacity']} or rebuild with "
+                          f"`specrt build --backend trt --max-seq-len {capacity}`")
+    return {"engine_path": Path(bundle) / built["graphs"][role]["file"], "max_window": int(built["max_window"])}
+
+
+def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int, threads: int = 2,
+                 batch: int = 1) -> Decoder:
+    """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it."""
+    entry = BACKENDS.get(backend)
+    options = entry.bundle_options(bundle, manifest, role, capacity) if entry and entry.bundle_options else {}
+    return make_decoder(backend, manifest.onnx_path(bundle, role), manifest.graphs[role].config, capacity, threads,
+                        batch, **options)

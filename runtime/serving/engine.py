@@ -1,0 +1,320 @@
+"""The serving engine: many requests share each verify pass (continuous batching).
+
+One thread owns the target graph. Each step it
+  1. admits waiting requests into free KV slots (a batch-1 prefill pass each, in the slot's view),
+  2. drops requests whose client went away (their slot is free for the next admission),
+  3. asks every running sequence for its verify window (its own drafter, its own draft),
+  4. runs ONE target pass over all of them: windows padded to the longest, each sequence at its own
+     `past_len` in its own KV slot (padding rows see only themselves and are never read),
+  5. lets every sequence accept and commit its own number of tokens (ragged acceptance).
+
+Each sequence runs exactly `runtime/sequence.py`, the code `specrt generate` runs, and the target's
+kernels compute every row of a batched pass as they compute it alone (the bundle's batch-invariance
+check; tests/runtime/test_serving_engine.py holds served output to single-request output), so a
+served greedy request returns the same tokens as a lone one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.generate import WINDOW_MARGIN, Generator
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.sequence import Pass, Sequence
+from specrt.runtime.serving.metrics import Metrics
+from specrt.runtime.stats import Result
+
+
+class EngineFull(SpecrtError):
+    """Every slot is busy and the waiting queue is full (HTTP 503)."""
+
+
+_DONE = object()
+
+
+class Handle:
+    """One submitted request: iterate (sync or async) for token chunks; `result` once finished.
+    `cancel()` frees its slot at the engine's next step."""
+
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
+                 loop: asyncio.AbstractEventLoop | None):
+        self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
+        self.loop = loop
+        self._q: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+        self.cancelled = False
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    # called from the engine thread
+    def _put(self, item) -> None:
+        if self.loop is None:
+            self._q.put(item)
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._q.put_nowait, item)
+
+    def _deliver(self, tokens: list[int]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._put(tokens)
+
+    def _finish(self, result: Result | None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self._put(_DONE)
+
+    # consumers
+    def __iter__(self):
+        while (item := self._q.get()) is not _DONE:
+            yield item
+        if self.error is not None:
+            raise self.error
+
+    async def __aiter__(self):
+        while (item := await self._q.get()) is not _DONE:
+            yield item
+        if self.error is not None:
+            raise self.error
+
+    def wait(self) -> Result:
+        for _ in self:
+            pass
+        return self.result
+
+
+@dataclass
+class _Slot:
+    index: int
+    drafter: object
+    state: object
+    control: AdaptiveDepth | None
+    handle: Handle | None = None
+    seq: Sequence | None = None
+
+
+class Engine:
+    """Continuous batching over a `Generator` built with `slots` KV slots (its drafter settings are the
+    server's); `submit` from any thread, results through the returned `Handle`."""
+
+    def __init__(self, gen: Generator, max_waiting: int = 64, metrics: Metrics | None = None,
+                 max_slots: int | None = None):
+        """`max_slots`: use only that many of the generator's KV slots (batch-1 serving: 1)."""
+        if gen.slots < 1:
+            raise SpecrtError("the engine needs at least one KV slot")
+        self.gen, self.max_waiting = gen, max_waiting
+        self.metrics = metrics or Metrics()
+        self.drafter_name = gen.drafter_name
+        adaptive = gen.adaptive and gen.drafter_name != "plain"
+        self.slots = []
+        for i in range(min(gen.slots, max_slots or gen.slots)):
+            drafter, _ = (gen.drafter, gen.drafter_tree) if i == 0 else gen.new_drafter(gen.drafter_name)
+            self.slots.append(_Slot(i, drafter, gen.state if i == 0 else gen.new_state(),
+                                    AdaptiveDepth(gen.max_depth) if adaptive else None))
+        self.waiting: deque[Handle] = deque()
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.batch_sizes: list[int] = []  # sequences per verify pass (for the bench and tests)
+
+    # ── public ──────────────────────────────────────────────────────────────────────────────
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specrt-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request; raises EngineFull when every slot is busy and `max_waiting` are waiting."""
+        if not prompt_ids:
+            raise SpecrtError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.gen.capacity:
+            raise SpecrtError(f"the prompt has {len(prompt_ids)} tokens but the KV capacity is "
+                              f"{self.gen.capacity}: shorten it (or serve with a larger --max-seq-len)")
+        handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop)
+        with self._lock:
+            if self._stop:
+                raise EngineFull("the engine is shutting down")
+            if len(self.waiting) >= self.max_waiting and not self._free_slots():
+                self.metrics.rejected.inc()
+                raise EngineFull(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests are "
+                                 "waiting: retry later")
+            self.waiting.append(handle)
+            self.metrics.waiting.set(len(self.waiting))
+            self._lock.notify_all()
+        return handle
+
+    @property
+    def running(self) -> int:
+        return sum(s.seq is not None for s in self.slots)
+
+    # ── the loop ────────────────────────────────────────────────────────────────────────────
+    def _free_slots(self) -> list[_Slot]:
+        return [s for s in self.slots if s.seq is None]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.waiting and not self.running:
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    break
+                admit = []
+                for slot in self._free_slots():
+                    if not self.waiting:
+                        break
+                    admit.append((slot, self.waiting.popleft()))
+                self.metrics.waiting.set(len(self.waiting))
+            for slot, handle in admit:
+                self._admit(slot, handle)
+            self._drop_cancelled()
+            if self.running:
+                self._step()
+        for slot in self.slots:  # shutting down: nothing is left hanging
+            if slot.seq is not None:
+                slot.seq.cancel("abort")
+                self._release(slot)
+        with self._lock:
+            while self.waiting:
+                self.waiting.popleft()._finish(None, EngineFull("the engine shut down"))
+
+    def _admit(self, slot: _Slot, handle: Handle) -> None:
+        if handle.cancelled:
+            handle._finish(None, None)
+            return
+        slot.handle = handle
+        try:
+            if slot.control is not None:
+                slot.control.begin()
+            slot.seq = Sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, self.gen.acceptance,
+                                slot.drafter, slot.state, self.gen.capacity, self.gen.eos,
+                                lambda dst, rows, b=slot.index: self.gen.target.compact(dst, rows, b),
+                                slot.control, max_nodes=WINDOW_MARGIN - 2)
+            self.metrics.running.set(self.running)
+            p = slot.seq.prefill_pass()
+            t0 = time.perf_counter()
+            outs = self._pass([p], slot.index, slot.index + 1, rows_needed=[p.rows])
+            first = slot.seq.prefilled(outs["logits"][0, : len(p.rows)], outs, time.perf_counter() - t0)
+            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+            self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
+            self._deliver(slot, first)
+        except Exception as e:  # this request fails; the engine goes on
+            self._fail([slot], e)
+
+    def _drop_cancelled(self) -> None:
+        for slot in self.slots:
+            if slot.seq is not None and slot.handle.cancelled:
+                slot.seq.cancel("cancelled")
+                self.metrics.cancelled.inc()
+                self._release(slot)
+
+    def _step(self) -> None:
+        plans: dict[int, Pass] = {}
+        live = [s for s in self.slots if s.seq is not None]
+        try:
+            for slot in live:
+                p = slot.seq.plan()
+                if p is None:
+                    self._release(slot)
+                else:
+                    plans[slot.index] = p
+        except Exception as e:
+            self._fail([s for s in live if s.seq is not None], e)
+            return
+        if not plans:
+            return
+        lo, hi = min(plans), max(plans) + 1
+        batch = [plans.get(b) for b in range(lo, hi)]
+        t0 = time.perf_counter()
+        try:
+            outs = self._pass(batch, lo, hi)
+        except Exception as e:
+            self._fail([self.slots[b] for b in plans], e)
+            return
+        seconds = time.perf_counter() - t0
+        self.steps += 1
+        self.batch_sizes.append(len(plans))
+        self.metrics.step_seconds.observe(seconds)
+        self.metrics.batch_size.observe(len(plans))
+        for b, p in plans.items():
+            slot = self.slots[b]
+            i = b - lo
+            try:
+                before = slot.seq.stats.accepted
+                new = slot.seq.commit(p, outs["logits"][i, : len(p.window)], {k: v[i : i + 1] for k, v in outs.items()},
+                                      seconds)
+                self.metrics.on_step(len(p.proposal), slot.seq.stats.accepted - before)
+                self._deliver(slot, new)
+            except Exception as e:
+                self._fail([slot], e)
+
+    def _pass(self, plans: list[Pass | None], lo: int, hi: int, rows_needed=None) -> dict[str, np.ndarray]:
+        """One target pass over KV slots lo..hi-1; `None` plans (idle slots in the range) get a dummy
+        one-token window at row 0. Windows are padded to the longest; padding rows see only themselves."""
+        t = max(len(p.window) for p in plans if p is not None)
+        n = hi - lo
+        ids = np.zeros((n, t), np.int64)
+        pos = np.zeros((n, t), np.int64)
+        past = np.zeros(n, np.int64)
+        mask = np.broadcast_to(np.eye(t, dtype=bool), (n, t, t)).copy()
+        rows = np.zeros((n, t if rows_needed is None else max(len(r) for r in rows_needed)), np.int64)
+        for i, p in enumerate(plans):
+            if p is None:
+                continue
+            m = len(p.window)
+            ids[i, :m] = p.window
+            pos[i] = p.past + (np.pad(p.tree.depth, (0, t - m)) if m < t else p.tree.depth)
+            past[i] = p.past
+            mask[i, :m, :m] = p.tree.mask
+            r = np.arange(m) if rows_needed is None else rows_needed[i]
+            rows[i, : len(r)] = r
+        self.gen.target.select(lo, hi)
+        return self.gen.target.run_all(ids, pos, past, mask, rows)
+
+    # ── delivery ────────────────────────────────────────────────────────────────────────────
+    def _deliver(self, slot: _Slot, tokens: list[int]) -> None:
+        if tokens:
+            slot.handle._deliver(tokens)
+            self.metrics.generation_tokens.inc(len(tokens))
+        if slot.seq.done:
+            self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        seq, handle = slot.seq, slot.handle
+        slot.seq = slot.handle = None
+        self.metrics.running.set(self.running)
+        result = seq.result()
+        self.metrics.finished(result.finish_reason, time.perf_counter() - handle.submitted)
+        handle._finish(result)
+        with self._lock:
+            self._lock.notify_all()
+
+    def _fail(self, slots: list[_Slot], error: BaseException) -> None:
+        for slot in slots:
+            handle = slot.handle
+            slot.seq = slot.handle = None
+            self.metrics.errors.inc()
+            if handle is not None:
+                handle._finish(None, error)
+        self.metrics.running.set(self.running)
