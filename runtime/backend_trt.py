@@ -197,8 +197,11 @@ class TrtDecoder(Decoder):
             outs.update({name: np.concatenate(parts, axis=1) for name, parts in per_token.items()})
         return outs
 
-    def compact(self, dst: int, rows: list[int]) -> None:
-        """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer, on the GPU."""
+    def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
+        """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer, on the GPU
+        (batch 1: `slot` is None or 0)."""
+        if slot not in (None, 0):
+            raise SpecrtError(f"internal: the TensorRT decoder holds one sequence, not slot {slot}")
         torch = self._torch
         with torch.cuda.stream(self.stream):
             src = torch.as_tensor(rows, dtype=torch.long, device="cuda")

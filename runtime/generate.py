@@ -29,6 +29,7 @@ from specrt.runtime.manifest import Manifest
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Sequence
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
+from specrt.runtime.text import TextAssembler
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.tree import Tree, resolve_tree
 
@@ -119,12 +120,17 @@ class Generator:
         return max(self.k, int(self.drafter_tree.depth.max()) if self.drafter_tree.size > 1 else 1)
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
-    def sequence(self, prompt_ids: list[int], max_new_tokens: int = 128,
-                 sampling: SamplingParams | None = None) -> Sequence:
-        """A new generation over this generator's target (KV slot 0), drafter and target state."""
-        control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
-        return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, self.drafter, self.state,
-                        self.capacity, self.eos, lambda dst, rows: self.target.compact(dst, rows, 0), control)
+    def sequence(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                 slot: int = 0, drafter=None, state: TargetState | None = None, control: AdaptiveDepth | None = None,
+                 max_nodes: int | None = None) -> Sequence:
+        """A new generation in KV slot `slot` of this generator's target. Default: slot 0 with the
+        generator's own drafter, target state and adaptive controller; the serving engine passes each
+        slot's own."""
+        if drafter is None:
+            drafter, state = self.drafter, self.state
+            control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
+        return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,
+                        self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:
@@ -174,14 +180,12 @@ class Generator:
 
 
 class TextStream:
-    """Text pieces of one generation as they are committed (held back while a piece would end in a
-    partial UTF-8 character); `.result` is set when the iteration ends."""
+    """Text pieces of one generation as they are committed (never ending in half a UTF-8 character);
+    `.result` is set when the iteration ends."""
 
     def __init__(self, gen: Generator, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None):
         self._tokens = gen.stream(prompt_ids, max_new_tokens, sampling)
-        self._decode = gen.tokenizer.decode
-        self._ids: list[int] = []
-        self._shown = ""
+        self._text = TextAssembler(gen.tokenizer.decode, None)
         self.result: Result | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -190,16 +194,11 @@ class TextStream:
     def __next__(self) -> str:
         while self.result is None:
             try:
-                self._ids.extend(next(self._tokens))
+                piece = self._text.feed(next(self._tokens))
             except StopIteration as stop:
                 self.result = stop.value
-                self.result.text = self._decode(self.result.token_ids)
-                piece = self.result.text[len(self._shown):] if self.result.text.startswith(self._shown) else ""
-                if piece:
-                    return piece
-                raise StopIteration from None
-            text = self._decode(self._ids)
-            if not text.endswith("\ufffd") and text.startswith(self._shown) and len(text) > len(self._shown):
-                piece, self._shown = text[len(self._shown):], text
+                piece = self._text.flush()
+                self.result.text = self._text.decode(self.result.token_ids)
+            if piece:
                 return piece
         raise StopIteration

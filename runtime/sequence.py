@@ -42,6 +42,14 @@ class Pass:
     propose_seconds: float = 0.0
 
 
+def check_prompt(prompt_ids: list[int], capacity: int) -> None:
+    if not prompt_ids:
+        raise SpecrtError("the prompt is empty: give at least one token")
+    if len(prompt_ids) >= capacity:
+        raise SpecrtError(f"the prompt has {len(prompt_ids)} tokens but the KV capacity is {capacity}: "
+                          "shorten the prompt or raise --max-seq-len")
+
+
 def pick(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
     if sampling.greedy:
         return int(logits.argmax())
@@ -59,11 +67,7 @@ class Sequence:
                  max_nodes: int | None = None):
         self.sampling = sampling or SamplingParams()
         self.rule_name, self.rule = acceptance_for(acceptance, self.sampling)
-        if not prompt_ids:
-            raise SpecrtError("the prompt is empty: give at least one token")
-        if len(prompt_ids) >= capacity:
-            raise SpecrtError(f"the prompt has {len(prompt_ids)} tokens but the KV capacity is {capacity}: "
-                              "shorten the prompt or raise --max-seq-len")
+        check_prompt(prompt_ids, capacity)
         self.rng = np.random.default_rng(self.sampling.seed)
         self.drafter, self.state, self.capacity, self.eos = drafter, state, capacity, eos
         self.compact, self.control = compact, control

@@ -26,7 +26,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.serving.engine import Engine, EngineFull, Handle
 from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest
-from specrt.runtime.serving.text import TextAssembler
+from specrt.runtime.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.2
 
@@ -68,6 +68,7 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
         engine.stop()
 
     app = FastAPI(title="specrt", lifespan=lifespan)
+    KNOWN = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}  # metric labels
 
     @app.middleware("http")
     async def count(request: Request, call_next):
@@ -125,15 +126,13 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
             raise ApiError(400, str(e), "messages") from None
         return await _serve(request, body, ids, chat=True)
 
-    KNOWN = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
-
     # ── the request path ────────────────────────────────────────────────────────────────────
     def _check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(404, f"the model {name!r} does not exist: this server serves {model_name!r}",
                            "model", "model_not_found")
 
-    def _submit(body, ids: list[int]) -> tuple[Handle, int]:
+    def _submit(body, ids: list[int]) -> Handle:
         if len(ids) >= capacity:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but this server's context is {capacity} "
                            "tokens: shorten it", "prompt", "context_length_exceeded")
@@ -144,14 +143,14 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
                            f"{len(ids)} = {room} at most", "max_tokens", "context_length_exceeded")
         sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
         try:
-            return engine.submit(ids, max_tokens, sampling, asyncio.get_running_loop()), max_tokens
+            return engine.submit(ids, max_tokens, sampling, asyncio.get_running_loop())
         except EngineFull as e:
             raise ApiError(503, str(e), code="server_busy", kind="server_error") from None
         except SpecrtError as e:
             raise ApiError(400, str(e)) from None
 
     async def _serve(request: Request, body, ids: list[int], chat: bool):
-        handle, _ = _submit(body, ids)
+        handle = _submit(body, ids)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         text = TextAssembler(tokenizer.decode, body.stop)

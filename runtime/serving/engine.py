@@ -29,7 +29,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import WINDOW_MARGIN, Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.sequence import Pass, Sequence
+from specrt.runtime.sequence import Pass, Sequence, check_prompt
 from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
 
@@ -39,6 +39,7 @@ class EngineFull(SpecrtError):
 
 
 _DONE = object()
+BATCH_HISTORY = 4096
 
 
 class Handle:
@@ -127,7 +128,9 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
-        self.batch_sizes: list[int] = []  # sequences per verify pass (for the bench and tests)
+        # sequences per verify pass, the latest BATCH_HISTORY (for the bench and tests; bounded: a server
+        # runs for days — the metrics' histogram keeps the whole story)
+        self.batch_sizes: deque[int] = deque(maxlen=BATCH_HISTORY)
 
     # ── public ──────────────────────────────────────────────────────────────────────────────
     def start(self) -> Engine:
@@ -147,11 +150,7 @@ class Engine:
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a request; raises EngineFull when every slot is busy and `max_waiting` are waiting."""
-        if not prompt_ids:
-            raise SpecrtError("the prompt is empty: give at least one token")
-        if len(prompt_ids) >= self.gen.capacity:
-            raise SpecrtError(f"the prompt has {len(prompt_ids)} tokens but the KV capacity is "
-                              f"{self.gen.capacity}: shorten it (or serve with a larger --max-seq-len)")
+        check_prompt(prompt_ids, self.gen.capacity)  # refused now, not after queueing
         handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop)
         with self._lock:
             if self._stop:
@@ -207,10 +206,8 @@ class Engine:
         try:
             if slot.control is not None:
                 slot.control.begin()
-            slot.seq = Sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, self.gen.acceptance,
-                                slot.drafter, slot.state, self.gen.capacity, self.gen.eos,
-                                lambda dst, rows, b=slot.index: self.gen.target.compact(dst, rows, b),
-                                slot.control, max_nodes=WINDOW_MARGIN - 2)
+            slot.seq = self.gen.sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, slot.index,
+                                         slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2)
             self.metrics.running.set(self.running)
             p = slot.seq.prefill_pass()
             t0 = time.perf_counter()
@@ -231,17 +228,16 @@ class Engine:
 
     def _step(self) -> None:
         plans: dict[int, Pass] = {}
-        live = [s for s in self.slots if s.seq is not None]
-        try:
-            for slot in live:
+        for slot in [s for s in self.slots if s.seq is not None]:
+            try:
                 p = slot.seq.plan()
-                if p is None:
-                    self._release(slot)
-                else:
-                    plans[slot.index] = p
-        except Exception as e:
-            self._fail([s for s in live if s.seq is not None], e)
-            return
+            except Exception as e:  # this sequence's drafter failed; the others go on
+                self._fail([slot], e)
+                continue
+            if p is None:
+                self._release(slot)
+            else:
+                plans[slot.index] = p
         if not plans:
             return
         lo, hi = min(plans), max(plans) + 1
@@ -284,7 +280,7 @@ class Engine:
                 continue
             m = len(p.window)
             ids[i, :m] = p.window
-            pos[i] = p.past + (np.pad(p.tree.depth, (0, t - m)) if m < t else p.tree.depth)
+            pos[i] = p.past + np.pad(p.tree.depth, (0, t - m))  # padding rows at the root's position
             past[i] = p.past
             mask[i, :m, :m] = p.tree.mask
             r = np.arange(m) if rows_needed is None else rows_needed[i]

@@ -20,16 +20,18 @@ from specrt.runtime.serving.engine import Engine
 
 
 @contextlib.contextmanager
-def loopback_server(app):
-    """`app` served on 127.0.0.1 (a free port) in a background thread; yields the base URL."""
+def loopback_server(app, timeout: float = 60.0):
+    """`app` served on 127.0.0.1 (a free port) in a background thread, lifespan included; yields the
+    base URL; shuts the server down on exit. The benchmark and the tests use it."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + timeout
     while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the benchmark server did not start")
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the loopback server did not start")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"

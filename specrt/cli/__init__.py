@@ -19,15 +19,15 @@ def cli() -> None:
     """specrt: speculative decoding, exported to ONNX / TensorRT and served losslessly."""
 
 
-def _register() -> None:
+def register(group: click.Group, modules: tuple[str, ...]) -> None:
+    """Add the `command` of each `specrt.cli.<module>` to `group`."""
     import importlib
 
-    for name in COMMAND_MODULES:
-        module = importlib.import_module(f"specrt.cli.{name}")
-        cli.add_command(module.command)
+    for name in modules:
+        group.add_command(importlib.import_module(f"specrt.cli.{name}").command)
 
 
-_register()
+register(cli, COMMAND_MODULES)
 
 
 def run(group: click.Group, prog: str) -> None:

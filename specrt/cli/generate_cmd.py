@@ -29,26 +29,14 @@ from specrt.cli.options import (
 @sampling_options
 def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, top_k, top_p, seed, **runtime):
     """Generate text from BUNDLE (default: the bundle `make export build` wrote)."""
+    from specrt.runtime.generate import TextStream
+
     sampling = sampling_params(temperature, top_k, top_p, seed)
     gen = make_generator(bundle, drafter, **runtime)
     ids = gen.tokenizer.encode_prompt(prompt, raw)
-    stream = gen.stream(ids, max_new_tokens, sampling)
-    out: list[int] = []
-    shown = ""
-    while True:
-        try:
-            out.extend(next(stream))
-        except StopIteration as stop:
-            result = stop.value
-            break
-        if not as_json:
-            text = gen.tokenizer.decode(out)
-            if not text.endswith("\ufffd") and text.startswith(shown):
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-    text = gen.tokenizer.decode(result.token_ids)
     if as_json:
+        result = gen.generate_ids(ids, max_new_tokens, sampling)
+        text = gen.tokenizer.decode(result.token_ids)
         s = result.stats.to_dict()
         stats = {k: s[k] for k in ("new_tokens", "seconds", "tokens_per_s", "steps", "mean_accepted_len",
                                    "acceptance_rate")}
@@ -56,8 +44,11 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": gen.drafter_name,
                                "finish_reason": result.finish_reason, "lossy": result.lossy, "stats": stats}))
     else:
-        if text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
+        stream = TextStream(gen, ids, max_new_tokens, sampling)
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        result = stream.result
         st = result.stats
         click.echo("")
         click.echo(f"[{gen.drafter_name}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specrt import __version__
-from specrt.cli import run
+from specrt.cli import register, run
 from specrt.cli.options import available_drafters, bundle_argument, resolve_bundle
 
 # `specrt.cli.<module>` command modules that need nothing beyond `[project] dependencies`, at import
@@ -94,15 +94,8 @@ def info(bundle, as_json):
         _print_summary(s)
 
 
-def _register() -> None:
-    import importlib
-
-    for name in RUNTIME_COMMAND_MODULES:
-        cli.add_command(importlib.import_module(f"specrt.cli.{name}").command)
-    cli.add_command(info)
-
-
-_register()
+register(cli, RUNTIME_COMMAND_MODULES)
+cli.add_command(info)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ def served(tiny_bundle):
     from specrt.runtime.generate import Generator
     from specrt.runtime.serving.api import create_app
     from specrt.runtime.serving.engine import Engine
-    from tests.serving.server import running
+    from specrt.runtime.serving.loadgen import loopback_server as running
 
     engine = Engine(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4), max_waiting=32)
     with running(create_app(engine, "tiny", default_max_tokens=16)) as url:

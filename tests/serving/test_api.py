@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
+from specrt.runtime.serving.loadgen import loopback_server as running
 from tests.serving.conftest import slow_model
-from tests.serving.server import running
 
 PROMPT = "The list of colors: red, green, blue, red, green,"
 

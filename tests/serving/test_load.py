@@ -13,7 +13,7 @@ import numpy as np
 from specrt.runtime.generate import Generator
 from specrt.runtime.serving.api import create_app
 from specrt.runtime.serving.engine import Engine
-from tests.serving.server import running
+from specrt.runtime.serving.loadgen import loopback_server as running
 
 PROMPTS = ["The list of colors: red, green, blue, red, green,", "Once upon a time", "1 2 3 4 5 6 7 8",
            "Hello! How are you today?", "def add(a, b):\n    return", "Paris is the capital of"]
