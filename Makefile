@@ -50,11 +50,9 @@ $(FP32_BUNDLE)/manifest.json: $(SOURCES) | setup
 	$(SPECRT) export -o $(FP32_BUNDLE) && $(SPECRT) build $(FP32_BUNDLE)
 
 # The peers (llama-cpp-python builds llama.cpp from source: ~8 minutes, once; not part of `make test`).
-# llama.cpp's AMX path faults on VMs that advertise AMX without enabling it, so the build pins the
-# x86 features instead of -march=native (AVX-512 and VNNI stay on).
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Built for the CPU it runs on: scripts/llama_cmake_args.py pins the x86 features /proc/cpuinfo reports
+# (AVX2-only and AVX-512 machines alike) and keeps AMX off, which faults on VMs that advertise it.
+LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
 $(VENV)/.peers: $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[peers]"
 	touch $@

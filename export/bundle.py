@@ -26,6 +26,7 @@ from specrt.export.loading import LoadedModel, load_model
 from specrt.export.modeling import DecoderLM
 from specrt.export.reference_io import save_references
 from specrt.plugins.onnx_builder import OPSET
+from specrt.runtime.exactness import measure_record, store_in_manifest
 from specrt.runtime.manifest import GraphEntry, Manifest, sha256_file
 
 PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module
@@ -39,6 +40,7 @@ class ExportOptions:
     progress: bool = True
     drafters: tuple = ()  # learned drafters: (kind, checkpoint folder or None for the trained default)
     quantize: str | None = None  # "int4" / "int8": weight-only MatMulNBits for every graph (export/quantize.py)
+    threads: int = 2  # ONNX Runtime threads the batch-invariance measurement runs with (the runtime default)
 
 
 def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
@@ -136,16 +138,13 @@ def _versions() -> dict:
 
 
 def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str) -> dict:
-    """Quantize every graph in place (after the fp32 parity check); returns the manifest record with
-    each decoder graph's batch invariance (verify pass vs one-token passes, max |Δlogits|)."""
+    """Quantize every graph in place (after the fp32 parity check); returns the manifest record."""
     s = quantize.scheme(name)
-    record = {**quantize.describe(name), "matmuls": {}, "batch_invariance": {}}
+    record = {**quantize.describe(name), "matmuls": {}}
     for role, entry in graphs.items():
         path = folder / entry.file
         record["matmuls"][role] = quantize.quantize_file(path, s)
         entry.sha256 = {f.name: sha256_file(f) for f in (path, path.with_name(path.name + ".data"))}
-        if role in ("target", "draft"):  # the graphs whose logits decide what is committed
-            record["batch_invariance"][role] = quantize.batch_invariance(path, entry.config)
     return record
 
 
@@ -238,5 +237,8 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
             steps.update()
             manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
                                 artifacts=artifacts, drafters=drafter_entries)
+            steps.set_postfix_str("batch invariance on this machine")
+            # measured here for the machine that exported; other machines measure at build or load
+            store_in_manifest(manifest, measure_record(tmp, manifest, opts.threads, "ort"))
             manifest.save(tmp)
     return manifest

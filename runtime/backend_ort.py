@@ -43,6 +43,10 @@ class Decoder:
         outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
         return outs["logits"], outs["hidden_states"]
 
+    def select(self, start: int, stop: int) -> None:
+        """Make the next passes run over sequence slots start..stop-1 (a batch-1 decoder has slot 0 only)."""
+        self.check_slots(start, stop)
+
     def check_slots(self, start: int, stop: int) -> None:
         if not 0 <= start < stop <= self.batch:
             raise SpecrtError(f"internal: slots {start}..{stop - 1} outside the cache's {self.batch}")

@@ -59,6 +59,8 @@ class Backend:
     factory: Callable[..., Decoder]
     summary: str  # one line for --help
     bundle_options: Callable[..., dict] | None = None  # (bundle, manifest, role, capacity) -> options
+    max_batch: int = 64  # KV slots one decoder can hold
+    pinned_capacity: bool = False  # True: built for one KV capacity (TensorRT engines)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -66,7 +68,7 @@ BACKENDS: dict[str, Backend] = {
     "ort-device": Backend(_ort_device, "ONNX Runtime's device path on the CPU provider (for tests)"),
     "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
     "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",
-                   lambda *a: trt_options(*a)),
+                   lambda *a: trt_options(*a), max_batch=1, pinned_capacity=True),
 }
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 
@@ -98,6 +100,12 @@ def trt_options(bundle: Path, manifest, role: str, capacity: int) -> dict:
                           f"{capacity}: use --max-seq-len {built['capacity']} or rebuild with "
                           f"`specrt build --backend trt --max-seq-len {capacity}`")
     return {"engine_path": Path(bundle) / built["graphs"][role]["file"], "max_window": int(built["max_window"])}
+
+
+def backend_entry(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise SpecrtError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
 
 
 def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int, threads: int = 2,

@@ -22,12 +22,14 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
-from specrt.runtime.backends import open_decoder
+from specrt.runtime.backends import backend_entry, open_decoder
 from specrt.runtime.drafters import DrafterContext, make_drafter
 from specrt.runtime.drafters.features import TargetState
+from specrt.runtime.exactness import Exactness, resolve
+from specrt.runtime.exec_modes import shaped
 from specrt.runtime.manifest import Manifest
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.sequence import Sequence
+from specrt.runtime.sequence import Pass, Sequence, pack_windows
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
 from specrt.runtime.text import TextAssembler
 from specrt.runtime.tokenizer import Tokenizer
@@ -42,9 +44,14 @@ class Generator:
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "ort",
-                 **drafter_options):
+                 exec_mode: str = "auto", allow_inexact: bool = False, **drafter_options):
         """`slots` > 1: the target's KV cache holds that many sequences (the serving engine batches
-        them); `stream` and `generate` use slot 0."""
+        them); `stream` and `generate` use slot 0.
+
+        `exec_mode`: how target passes are shaped (runtime/exec_modes.py); auto: the cheapest mode
+        measured batch-invariant on this machine (runtime/exactness.py). Where none is, speculation
+        and batching fall back to plain batch-1 decoding (the exact path) with a note in `notes`,
+        unless `allow_inexact`."""
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
         cfg = self.manifest.target.config
@@ -54,11 +61,23 @@ class Generator:
         self.acceptance = acceptance
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
-        # batched passes pad every window to the longest: rows past capacity take the padding
+        self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
+        self.exactness: Exactness = resolve(self.bundle, self.manifest, threads, backend, exec_mode, self.capacity)
+        self.allow_inexact = allow_inexact
         self.slots = int(slots)
-        rows = self.capacity + (WINDOW_MARGIN if self.slots > 1 else 0)
+        if self.slots > 1 and not self.exact_batches:
+            self.note(f"note: batching {self.slots} sequences per pass is not exact here "
+                              f"({self.exactness.reason}); serving one sequence at a time. "
+                              "--allow-inexact batches anyway.")
+            self.slots = 1
+        # padded passes (batched windows, execution modes) write KV rows past the window: room for them
+        mode = self.exactness.mode
+        rows = self.capacity + (WINDOW_MARGIN if self.slots > 1 else mode.min_rows - 1)
+        if backend_entry(backend).pinned_capacity:  # engines built for `capacity` rows: the margin comes off it
+            rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
         self.backend = backend  # the target's (runtime/backends.py); drafters run on ONNX Runtime, CPU
-        self.target = open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots)
+        target = open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots)
+        self.target = shaped(target, mode)
         self.threads = threads
         self.state = self.new_state()
         self.configure(num_draft_tokens, tree, adaptive, **drafter_options)
@@ -100,6 +119,11 @@ class Generator:
         generator's setting). Each (drafter, tree) is built once and reused; the target and its KV
         buffers are shared."""
         self.adaptive_now = self.adaptive if adaptive is None else adaptive
+        self.requested_drafter = drafter
+        if drafter != "plain" and not self.exact_batches:
+            self.note(f"note: speculative decoding ({drafter}) is not exact here ({self.exactness.reason}); "
+                              "running plain decoding. --allow-inexact speculates anyway.")
+            drafter, tree = "plain", None
         key = (drafter, tree)
         if key not in self._drafters:
             self._drafters[key] = self.new_drafter(drafter, tree)
@@ -113,6 +137,21 @@ class Generator:
         if key not in self._controls:
             self._controls[key] = AdaptiveDepth(self.max_depth)
         return self._controls[key].begin()
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    @property
+    def exact_batches(self) -> bool:
+        """May passes carry more than plain decoding's single row (drafts, several sequences)?"""
+        return self.exactness.lossless or self.allow_inexact
+
+    @property
+    def lossless(self) -> bool:
+        """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
+        follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
+        return self.exactness.lossless or (self.drafter_name == "plain" and self.slots == 1)
 
     @property
     def max_depth(self) -> int:
@@ -130,7 +169,8 @@ class Generator:
             drafter, state = self.drafter, self.state
             control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
         return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,
-                        self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes)
+                        self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes,
+                        exact=self.lossless)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:
@@ -156,11 +196,9 @@ class Generator:
         """One target pass over `window` (a chain unless `tree`) written at KV rows past..;
         returns logits [R, V] for window `rows` (default: all)."""
         tree = tree or Tree.chain(len(window) - 1)
-        rows = np.arange(tree.size) if rows is None else rows
-        if self.slots > 1:
-            self.target.select(0, 1)
-        self._outs = self.target.run_all(np.asarray([window], np.int64), (past + tree.depth)[None],
-                                         np.array([past], np.int64), tree.mask[None], np.asarray([rows], np.int64))
+        rows = np.arange(tree.size) if rows is None else np.asarray(rows, np.int64)
+        self.target.select(0, 1)
+        self._outs = self.target.run_all(*pack_windows([Pass(np.asarray(window, np.int64), past, tree, rows)]))
         return self._outs["logits"][0]
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,

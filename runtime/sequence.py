@@ -42,6 +42,29 @@ class Pass:
     propose_seconds: float = 0.0
 
 
+def pack_windows(plans: list[Pass | None]) -> tuple[np.ndarray, ...]:
+    """The inputs (input_ids, position_ids, past_len, tree_mask, logits_index) of one target pass over
+    consecutive KV slots, one plan per slot. Windows are padded to the longest: padding rows sit at the
+    root's position and see only themselves; a `None` plan (an idle slot) is a dummy window at row 0."""
+    live = [p for p in plans if p is not None]
+    t, r, n = max(len(p.window) for p in live), max(len(p.rows) for p in live), len(plans)
+    ids = np.zeros((n, t), np.int64)
+    pos = np.zeros((n, t), np.int64)
+    past = np.zeros(n, np.int64)
+    mask = np.broadcast_to(np.eye(t, dtype=bool), (n, t, t)).copy()
+    rows = np.zeros((n, r), np.int64)
+    for i, p in enumerate(plans):
+        if p is None:
+            continue
+        m = len(p.window)
+        ids[i, :m] = p.window
+        pos[i] = p.past + np.pad(p.tree.depth, (0, t - m))
+        past[i] = p.past
+        mask[i, :m, :m] = p.tree.mask
+        rows[i, : len(p.rows)] = p.rows
+    return ids, pos, past, mask, rows
+
+
 def check_prompt(prompt_ids: list[int], capacity: int) -> None:
     if not prompt_ids:
         raise SpecrtError("the prompt is empty: give at least one token")
@@ -64,7 +87,8 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
                  acceptance: str | None, drafter: Drafter, state: TargetState, capacity: int, eos: set[int],
                  compact: Callable[[int, list[int]], None], control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, exact: bool = True):
+        """`exact`: whether the target's passes give plain decoding's rows here (runtime/exactness.py)."""
         self.sampling = sampling or SamplingParams()
         self.rule_name, self.rule = acceptance_for(acceptance, self.sampling)
         check_prompt(prompt_ids, capacity)
@@ -74,6 +98,7 @@ class Sequence:
         self.node_limit = max_nodes  # drafted nodes per step at most (a batched pass's padding room)
         self.needs_hidden = getattr(drafter, "needs_hidden", False)
         self.max_new_tokens = max_new_tokens
+        self.exact = exact
         self.tokens = list(prompt_ids)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -153,8 +178,9 @@ class Sequence:
     def result(self) -> Result:
         self.stats.new_tokens = len(self.out)
         self.stats.seconds = time.perf_counter() - self.t0
+        lossy = self.rule_name in LOSSY
         return Result(token_ids=self.out, finish_reason=self.finish or "length", stats=self.stats,
-                      lossy=self.rule_name in LOSSY)
+                      lossy=lossy, lossless=self.exact and not lossy)
 
     def _emit(self, new: list[int]) -> str | None:
         """Commit `new` (cut at EOS / max_new_tokens); returns the finish reason once done."""

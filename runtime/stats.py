@@ -63,6 +63,7 @@ class Result:
     stats: Stats
     text: str = ""
     lossy: bool = False  # True when a lossy acceptance rule (typical) produced it
+    lossless: bool = True  # False when the target's passes were not exact here or the rule was lossy
 
 
 class Timer:

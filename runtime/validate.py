@@ -43,7 +43,8 @@ def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams
 def lossless_check(bundle: Path, drafter: str = "ngram", tree: str | None = "default", samples: int = 1000,
                    length: int = 3, top_k: int = 4, temperature: float = 1.0, seed: int = 0,
                    threads: int = 2, progress: bool = True) -> tuple[ChiSquare, dict]:
-    gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=256, threads=threads)
+    # allow_inexact: the check must run the speculation it certifies, never a plain fall-back
+    gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=256, threads=threads, allow_inexact=True)
     prompt = gen.tokenizer.encode_prompt(PROMPT)
     params = SamplingParams(temperature=temperature, top_k=top_k)
     exact = exact_distribution(gen, prompt, params, length)
@@ -56,5 +57,7 @@ def lossless_check(bundle: Path, drafter: str = "ngram", tree: str | None = "def
     result = chi_square(seqs, exact)
     detail = {"drafter": gen.drafter_name, "tree": tree or "chain", "length": length, "top_k": top_k,
               "temperature": temperature, "outcomes": len(exact), "accepted_drafts": accepted, "verify_steps": steps,
-              "check": "Pearson chi-square vs the exact warped target distribution of the next tokens"}
+              "check": "Pearson chi-square vs the exact warped target distribution of the next tokens",
+              "exec_mode": gen.exactness.mode.name, "batch_invariant": gen.exactness.lossless,
+              "batch_invariance_reason": gen.exactness.reason}
     return result, detail

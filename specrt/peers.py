@@ -259,3 +259,28 @@ def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None) ->
         return res.token_ids, res.stats.seconds
 
     return {f"specrt-{scheme}-plain": Peer(run, reference=None, settings={"bundle": str(bundle)})}
+
+
+def exec_mode_peers(bundle: Path, mode: str, drafters: list[str], threads: int,
+                    max_seq_len: int | None = None) -> dict[str, Peer]:
+    """The same bundle run in execution mode `mode` (e.g. `direct`, unpadded), plain and with each
+    drafter: what the mode the runtime chose costs or saves, measured in the same run. Speculation runs
+    even where `mode` is not exact here (allow_inexact); `identical_to_plain` then shows what that costs."""
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(bundle, "plain", max_seq_len=max_seq_len, threads=threads, exec_mode=mode, allow_inexact=True)
+
+    def runner(drafter: str):
+        def run(ids: list[int], max_new_tokens: int):
+            res = gen.use(drafter).generate_ids(ids, max_new_tokens)
+            return res.token_ids, res.stats.seconds
+
+        return run
+
+    plain = f"specrt-{mode}-plain"
+    settings = {"bundle": str(bundle), "exec_mode": mode, "batch_invariant": gen.exactness.lossless}
+    peers = {plain: Peer(runner("plain"), reference=None, settings=settings)}
+    for d in drafters:
+        if d != "plain":
+            peers[f"specrt-{mode}-{d}"] = Peer(runner(d), reference=plain, settings=settings)
+    return peers

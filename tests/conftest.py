@@ -55,3 +55,51 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir):
     out = tmp_path_factory.mktemp("tinyb") / "bundle"
     export_bundle(folder, out, ExportOptions(draft_layers=1, progress=False))
     return out
+
+
+TRAIN_EPOCHS = {"draft": 6, "medusa": 30, "eagle": 20, "eagle3": 20, "mtp": 20}
+
+
+@pytest.fixture(scope="session")
+def trained_drafters(real_model, tmp_path_factory):
+    """Every learned drafter kind trained briefly (seconds each) on the real target's answers to a few
+    prompts: ([(kind, checkpoint folder)], the prompt rows trained on, each kind's training metrics)."""
+    from specrt.export.drafters.eagle import default_taps
+    from specrt.export.training.corpus import load_prompts
+    from specrt.export.training.datagen import build_data
+    from specrt.export.training.loop import TrainSettings, train
+    from specrt.runtime.validate import PROMPT
+
+    tmp = tmp_path_factory.mktemp("trained")
+    rows = [r for r in load_prompts("train")][:9:3] + [{"id": "validate", "split": "train", "prompt": PROMPT}]
+    rows += load_prompts("heldout")[:1]
+    data = build_data(real_model, rows, 40, tuple(default_taps(real_model.module.cfg.num_layers)), None, False)
+    metrics, folders = {}, []
+    for kind, epochs in TRAIN_EPOCHS.items():
+        settings = TrainSettings(kind=kind, epochs=epochs, batch_seqs=2, evals=1, draft_vocab=2048,
+                                 options={"num_layers": 2} if kind == "draft" else {})
+        metrics[kind] = train(real_model.module, settings, tmp / kind, data, progress=False)
+        folders.append((kind, tmp / kind))
+    return folders, rows[:-1], metrics
+
+
+def _trained_bundle(real_model, trained_drafters, tmp_path_factory, quantize):
+    from specrt.export.bundle import ExportOptions, export_bundle
+
+    out = tmp_path_factory.mktemp("trainedb") / (quantize or "fp32")
+    # graph parity is tested per kind on tiny models (tests/export/test_drafters.py); skipped here for time
+    export_bundle(real_model, out, ExportOptions(progress=False, check_parity=False, quantize=quantize,
+                                                 drafters=tuple(trained_drafters[0])))
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(real_model, trained_drafters, tmp_path_factory):
+    """The real target (fp32) with every trained drafter kind."""
+    return _trained_bundle(real_model, trained_drafters, tmp_path_factory, None)
+
+
+@pytest.fixture(scope="session")
+def trained_int4_bundle(real_model, trained_drafters, tmp_path_factory):
+    """The default configuration: the real target quantized to int4, with every trained drafter kind."""
+    return _trained_bundle(real_model, trained_drafters, tmp_path_factory, "int4")

@@ -1,13 +1,16 @@
 """`specrt train`: build the distillation data once, then train one drafter kind on it.
 
 Stopping is by epochs (deterministic for a seed); `max_minutes` is a guard that cuts a run short
-(a cut run says so in its metrics). Mixed precision: bf16 autocast, fp32 weights and optimizer.
+(a cut run says so in its metrics). Mixed precision where the CPU computes bf16 natively (AVX-512
+BF16, AMX, Arm BF16): bf16 autocast, fp32 weights and optimizer; elsewhere fp32 throughout — on an
+AVX2-only CPU bf16 matmuls are emulated and ~50× slower than fp32. The choice is in the metrics.
 The held-out prompts (every 6th of each category) are never trained on; they give the per-step
 top-1 agreement and τ estimate recorded in `metrics.json` (a curve over training time) and plotted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -71,11 +74,23 @@ def _init(module, kind: str, target, vocab: torch.Tensor) -> None:
         module.midlayer.mlp.load_state_dict(target.model.layers[-1].mlp.state_dict())
 
 
+def autocast_dtype() -> torch.dtype | None:
+    """bf16 where this CPU has native bf16 arithmetic, else None (fp32)."""
+    from specrt.runtime.machine import simd_features
+
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16", "bf16"} & set(simd_features()) else None
+
+
+def _precision():
+    dtype = autocast_dtype()
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_seqs: int) -> list[float]:
     totals: list[list[int]] = []
     for i in range(0, len(seqs), batch_seqs):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _precision():
             _, hits = objective(Batch(data, seqs[i : i + batch_seqs], label_index))
         totals = [[a + h, b + n] for (a, b), (h, n) in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
     return [h / max(n, 1) for h, n in totals]
@@ -136,7 +151,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         decay = 0.5 * (1 + math.cos(math.pi * step / total))
         for group in opt.param_groups:
             group["lr"] = lr * warm * (0.1 + 0.9 * decay)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _precision():
             loss, _ = objective(Batch(data, seqs, label_index))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -160,7 +175,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     bar.close()
     module.eval()
     drafters.save(module, out)
-    metrics = {"kind": kind, "settings": asdict(settings), "lr": lr, "steps_done": step, "cut_by_max_minutes": cut,
+    metrics = {"kind": kind, "settings": asdict(settings), "lr": lr,
+               "precision": "bf16-autocast" if autocast_dtype() is not None else "fp32", "steps_done": step, "cut_by_max_minutes": cut,
                "train_sequences": len(train_seqs), "heldout_sequences": len(held),
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float((label_index[data.top_ids[:, 0]] >= 0)

@@ -60,6 +60,10 @@ def _describe(errors) -> tuple[str, str | None]:
 def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -> FastAPI:
     tokenizer, capacity = engine.gen.tokenizer, engine.gen.capacity
     metrics = engine.metrics
+    gen = engine.gen
+    exactness = {"lossless": gen.lossless, "exec_mode": gen.exactness.mode.name,
+                 "batch_invariant": gen.exactness.lossless, "reason": gen.exactness.reason,
+                 "drafter": engine.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
 
     @asynccontextmanager
     async def lifespan(app):
@@ -110,7 +114,7 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specrt",
-                                            "max_model_len": capacity}]}
+                                            "max_model_len": capacity, "specrt": exactness}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

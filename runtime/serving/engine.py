@@ -29,7 +29,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import WINDOW_MARGIN, Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.sequence import Pass, Sequence, check_prompt
+from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
 from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
 
@@ -117,6 +117,7 @@ class Engine:
         self.gen, self.max_waiting = gen, max_waiting
         self.metrics = metrics or Metrics()
         self.drafter_name = gen.drafter_name
+        self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
         adaptive = gen.adaptive and gen.drafter_name != "plain"
         self.slots = []
         for i in range(min(gen.slots, max_slots or gen.slots)):
@@ -211,7 +212,7 @@ class Engine:
             self.metrics.running.set(self.running)
             p = slot.seq.prefill_pass()
             t0 = time.perf_counter()
-            outs = self._pass([p], slot.index, slot.index + 1, rows_needed=[p.rows])
+            outs = self._pass([p], slot.index, slot.index + 1)
             first = slot.seq.prefilled(outs["logits"][0, : len(p.rows)], outs, time.perf_counter() - t0)
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
@@ -265,28 +266,10 @@ class Engine:
             except Exception as e:
                 self._fail([slot], e)
 
-    def _pass(self, plans: list[Pass | None], lo: int, hi: int, rows_needed=None) -> dict[str, np.ndarray]:
-        """One target pass over KV slots lo..hi-1; `None` plans (idle slots in the range) get a dummy
-        one-token window at row 0. Windows are padded to the longest; padding rows see only themselves."""
-        t = max(len(p.window) for p in plans if p is not None)
-        n = hi - lo
-        ids = np.zeros((n, t), np.int64)
-        pos = np.zeros((n, t), np.int64)
-        past = np.zeros(n, np.int64)
-        mask = np.broadcast_to(np.eye(t, dtype=bool), (n, t, t)).copy()
-        rows = np.zeros((n, t if rows_needed is None else max(len(r) for r in rows_needed)), np.int64)
-        for i, p in enumerate(plans):
-            if p is None:
-                continue
-            m = len(p.window)
-            ids[i, :m] = p.window
-            pos[i] = p.past + np.pad(p.tree.depth, (0, t - m))  # padding rows at the root's position
-            past[i] = p.past
-            mask[i, :m, :m] = p.tree.mask
-            r = np.arange(m) if rows_needed is None else rows_needed[i]
-            rows[i, : len(r)] = r
+    def _pass(self, plans: list[Pass | None], lo: int, hi: int) -> dict[str, np.ndarray]:
+        """One target pass over KV slots lo..hi-1 (`None` plans: idle slots in the range)."""
         self.gen.target.select(lo, hi)
-        return self.gen.target.run_all(ids, pos, past, mask, rows)
+        return self.gen.target.run_all(*pack_windows(plans))
 
     # ── delivery ────────────────────────────────────────────────────────────────────────────
     def _deliver(self, slot: _Slot, tokens: list[int]) -> None:

@@ -55,6 +55,14 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("specrt_batch_size", "Sequences sharing a verify pass",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.lossless = Gauge("specrt_lossless", "1 when served output equals plain batch-1 decoding of the "
+                              "target (greedy) or follows its distribution (sampling) on this machine", registry=r)
+        self.exec_mode = Gauge("specrt_exec_mode_info", "The execution mode target passes run in (value 1)",
+                               ["mode", "batch_invariant"], registry=r)
+
+    def exactness(self, lossless: bool, mode: str, batch_invariant: bool) -> None:
+        self.lossless.set(1 if lossless else 0)
+        self.exec_mode.labels(mode, str(batch_invariant).lower()).set(1)
 
     def on_step(self, drafted: int, accepted: int) -> None:
         if drafted:

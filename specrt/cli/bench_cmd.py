@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.options import (
+    EXEC_MODES,
     available_drafters,
     bundle_argument,
     make_generator,
@@ -50,6 +51,9 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--baseline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
               help="Also run plain decoding on this bundle (e.g. the fp32 export beside a quantized one) in the "
                    "same run, as peer specrt-<quantization>-plain.")
+@click.option("--exec-mode-baseline", "mode_baseline", type=click.Choice(list(EXEC_MODES)), default=None,
+              help="Also run plain and every drafter in this execution mode (e.g. direct, unpadded) in the same "
+                   "run, as peers specrt-MODE-DRAFTER: what the mode in use costs, and whether MODE is exact here.")
 @click.option("--trees", default=None,
               help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
                    "Default: just --tree.")
@@ -61,13 +65,15 @@ def _prompts(spec: str | None, per_category: int | None):
               "bandwidth, measured after the benchmark).")
 @runtime_options
 @sampling_options
-def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, trees, raw, json_out,
-            report_dir, temperature, top_k, top_p, seed, **runtime):
+def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, mode_baseline, trees,
+            raw, json_out, report_dir, temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.peers import make_peers
     from specrt.runtime.bench import format_table, run_bench
 
+    runtime["allow_inexact"] = True  # a benchmark runs what it is asked; identity with plain is reported
     gen = make_generator(bundle, "plain", **runtime)
+    click.echo(f"exactness: {gen.exactness.summary()}", err=True)
     if drafters:
         names = [d.strip() for d in drafters.split(",") if d.strip()]
     else:
@@ -77,10 +83,15 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         from specrt.peers import baseline_peer
 
         peers.update(baseline_peer(baseline, gen.threads, gen.capacity))
+    if mode_baseline is not None:
+        from specrt.peers import exec_mode_peers
+
+        peers.update(exec_mode_peers(gen.bundle, mode_baseline, names, gen.threads, gen.capacity))
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
     sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
     result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
                        trees=tree_list, sampling=sampling)
+    result["config"]["exactness"] = gen.exactness.to_dict()
     click.echo(format_table(result["summary"]))
     click.echo("\nby category:")
     click.echo(format_table(result["by_category"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specrt.cli.options import bundle_argument, resolve_bundle
+from specrt.cli.options import bundle_argument, echo_exactness, resolve_bundle
 
 
 @click.command("build")
@@ -19,19 +19,27 @@ from specrt.cli.options import bundle_argument, resolve_bundle
 @click.option("--max-window", type=click.IntRange(min=1), default=None,
               help="TensorRT: the largest window per pass (drafted tree + root; longer prefills run in chunks). "
                    "Default: 64.")
-def command(bundle, backend, precision, max_seq_len, max_window):
-    """Build engines for BUNDLE and record them in its manifest."""
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="ONNX Runtime threads the artifacts are built and their batch invariance measured with "
+                   "(run with the same --threads to use this measurement).")
+def command(bundle, backend, precision, max_seq_len, max_window, threads):
+    """Build engines for BUNDLE and record them in its manifest, with the batch invariance of the
+    target measured on this machine (the execution mode the runtime then uses here)."""
     from specrt.engines.ort import build_ort
     from specrt.engines.trt import INSTALL_HINT, build_trt, tensorrt_available
+    from specrt.runtime.exactness import measure_record, store_in_manifest
     from specrt.runtime.manifest import Manifest
 
     path = resolve_bundle(bundle)
     manifest = Manifest.load(path)
     if backend in ("auto", "ort"):
-        manifest.artifacts["onnxruntime"] = build_ort(path, manifest)
-        manifest.save(path)
+        manifest.artifacts["onnxruntime"] = build_ort(path, manifest, threads)
         for role, g in manifest.artifacts["onnxruntime"]["graphs"].items():
             click.echo(f"onnxruntime: {role} -> {g['file']} ({g['seconds']}s)")
+        record = measure_record(path, manifest, threads, "ort")
+        store_in_manifest(manifest, record)
+        manifest.save(path)
+        echo_exactness(record)
     if backend == "trt" or (backend == "auto" and tensorrt_available()):
         manifest.artifacts["tensorrt"] = build_trt(path, manifest, precision, capacity=max_seq_len,
                                                    max_window=max_window)

@@ -31,12 +31,48 @@ def _gpu() -> str:
         return f"unknown ({e})"
 
 
+SIMD_SHOWN = (("AVX2", "avx2"), ("AVX-512F", "avx512f"), ("AVX-512 VNNI", "avx512_vnni"),
+              ("AVX-512 BF16", "avx512_bf16"), ("AVX-VNNI", "avx_vnni"), ("AMX", "amx_tile"))
+
+
+def _simd() -> str:
+    from specrt.runtime.machine import simd_features
+
+    have = set(simd_features())
+    return " ".join(f"{label}:{'yes' if flag in have else 'no'}" for label, flag in SIMD_SHOWN)
+
+
+def _bundle_exactness(bundle, threads: int) -> str:
+    """The default bundle's batch invariance on this machine and the mode the runtime uses."""
+    from specrt.errors import SpecrtError
+    from specrt.runtime.exactness import resolve, worst
+    from specrt.runtime.manifest import Manifest
+
+    try:
+        e = resolve(bundle, Manifest.load(bundle), threads)
+    except SpecrtError as err:
+        return f"unknown ({err})"
+    modes = ", ".join(f"{name} {worst(m):.1e}" for name, m in e.record["measured"].items())
+    verdict = f"mode in use: {e.mode.name} (exact)" if e.lossless else f"NOT exact: {e.reason}"
+    return f"verify vs plain max |Δlogits| {modes} ({e.source}); {verdict}"
+
+
 @click.command("doctor")
-def command():
-    """Report onnxruntime providers, TensorRT, CUDA, GPU and the default bundle."""
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Threads to report the default bundle's batch invariance for (the runtime's --threads).")
+def command(threads):
+    """Report the CPU's SIMD features, onnxruntime providers, TensorRT, CUDA, GPU, and the default
+    bundle's batch invariance measured on this machine with the execution mode in use."""
+    import os
+
     import onnxruntime as ort
 
+    from specrt.runtime.machine import cpu_model
+
     rows = [("python", platform.python_version()),
+            ("cpu", f"{cpu_model()}, {os.cpu_count()} logical cores"),
+            ("simd", _simd()),
+            ("threads", f"{threads} (ONNX Runtime intra-op)"),
             ("onnxruntime", f"{ort.__version__} providers={','.join(ort.get_available_providers())}"),
             ("onnx", _version("onnx") or "missing")]
     trt = _version("tensorrt")
@@ -52,7 +88,10 @@ def command():
     rows.append(("triton", _version("triton") or "not installed"))
     rows.append(("gpu", _gpu()))
     b = default_bundle()
-    rows.append(("default bundle", f"{b} ({'present' if (b / 'manifest.json').is_file() else 'missing: run make export'})"))
+    present = (b / "manifest.json").is_file()
+    rows.append(("default bundle", f"{b} ({'present' if present else 'missing: run make export'})"))
+    if present:
+        rows.append(("exactness", _bundle_exactness(b, threads)))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{width}}  {v}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.options import echo_exactness
 from specrt.paths import default_bundle
 
 
@@ -55,7 +56,7 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
         click.echo(f"drafter {kind}: {', '.join(entry['graphs'])}{note}")
     q = manifest.artifacts.get("quantization")
     if q:
-        inv = ", ".join(f"{r} {v:.1e}" for r, v in q["batch_invariance"].items())
-        click.echo(f"quantized {q['scheme']}: {sum(q['matmuls'].values())} MatMulNBits; verify vs one-token passes "
-                   f"max |Δlogits|: {inv}")
+        click.echo(f"quantized {q['scheme']}: {sum(q['matmuls'].values())} MatMulNBits")
+    for record in manifest.artifacts.get("exactness", {}).values():
+        echo_exactness(record)
     click.echo(f"bundle written: {out}")

@@ -33,6 +33,8 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
 
     sampling = sampling_params(temperature, top_k, top_p, seed)
     gen = make_generator(bundle, drafter, **runtime)
+    for note in gen.notes:
+        click.echo(note, err=True)
     ids = gen.tokenizer.encode_prompt(prompt, raw)
     if as_json:
         result = gen.generate_ids(ids, max_new_tokens, sampling)
@@ -42,7 +44,8 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
                                    "acceptance_rate")}
         stats["detail"] = {k: v for k, v in s.items() if k not in stats}
         click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": gen.drafter_name,
-                               "finish_reason": result.finish_reason, "lossy": result.lossy, "stats": stats}))
+                               "finish_reason": result.finish_reason, "lossy": result.lossy,
+                               "lossless": result.lossless, "exactness": exactness_summary(gen), "stats": stats}))
     else:
         stream = TextStream(gen, ids, max_new_tokens, sampling)
         for piece in stream:
@@ -53,4 +56,13 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         click.echo("")
         click.echo(f"[{gen.drafter_name}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
                    f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}"
-                   + (" [LOSSY: typical acceptance]" if result.lossy else ""), err=True)
+                   + (" [LOSSY: typical acceptance]" if result.lossy else "")
+                   + (f" [NOT EXACT: {gen.exactness.reason}]" if not result.lossless and not result.lossy else ""),
+                   err=True)
+
+
+def exactness_summary(gen) -> dict:
+    """What --json says about exactness: the mode, the verdict and why (no per-check detail)."""
+    e = gen.exactness
+    return {"mode": e.mode.name, "batch_invariant": e.lossless, "reason": e.reason, "source": e.source,
+            "requested_drafter": gen.requested_drafter}

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from specrt.paths import default_bundle
+from specrt.runtime.exec_modes import MODES as EXEC_MODES
 
 
 def bundle_argument(f):
@@ -54,6 +55,12 @@ def runtime_options(f):
                      help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default 10)."),
         click.option("--beam", type=click.IntRange(min=1, max=16), default=None,
                      help="eagle2/eagle3 dynamic tree: nodes expanded per depth, children per node (default 4)."),
+        click.option("--exec-mode", type=click.Choice(["auto", *EXEC_MODES]), default="auto", show_default=True,
+                     help="How target passes are shaped: auto picks the cheapest mode measured batch-invariant on "
+                          "this machine (direct: as asked; padN: every pass at least N rows)."),
+        click.option("--allow-inexact", is_flag=True,
+                     help="Where no mode is batch-invariant here, speculate and batch anyway (output may differ "
+                          "from plain decoding; reported as lossless: false). Default: fall back to plain decoding."),
     ])
 
 
@@ -73,7 +80,7 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
-                   backend="ort"):
+                   backend="ort", exec_mode="auto", allow_inexact=False):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
     from specrt.runtime.generate import Generator
@@ -90,7 +97,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
-                     backend=backend)
+                     backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact)
 
 
 def sampling_params(temperature, top_k, top_p, seed):
@@ -107,3 +114,18 @@ def available_drafters(manifest) -> list[str]:
     for kind in manifest.drafters:
         names += list(LEARNED.get(kind, ()))
     return names
+
+
+def echo_exactness(record: dict) -> None:
+    """One line per measured machine: each mode's worst |Δlogits| and the mode auto runs."""
+    from specrt.runtime.exactness import worst
+    from specrt.runtime.machine import Fingerprint
+
+    where = Fingerprint.from_dict(record["fingerprint"]).describe()
+    modes = ", ".join(f"{name} {'0 (invariant)' if m['invariant'] else f'{worst(m):.1e}'}"
+                      for name, m in record["measured"].items())
+    verdict = f"mode {record['chosen']}: speculative output is exact" if record["chosen"] else \
+        "NO mode is exact: speculation falls back to plain decoding unless --allow-inexact"
+    click.echo(f"batch invariance on {where}: verify vs plain max |Δlogits| {modes} → {verdict}",
+               err=record["chosen"] is None)
+

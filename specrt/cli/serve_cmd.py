@@ -36,6 +36,9 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
     engine = Engine(gen, max_waiting=max_waiting)
     name = model_name or path.name
     app = create_app(engine, name, default_max_tokens)
-    click.echo(f"specrt serve: {name} ({gen.drafter_name}, {slots} slots, context {gen.capacity}) on "
-               f"http://{host}:{port}/v1", err=True)
+    for note in gen.notes:
+        click.echo(note, err=True)
+    click.echo(f"specrt serve: {name} ({gen.drafter_name}, {gen.slots} slots, context {gen.capacity}) on "
+               f"http://{host}:{port}/v1; {gen.exactness.summary()}"
+               + ("" if gen.lossless else " — responses are NOT guaranteed to equal plain decoding"), err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -59,6 +59,10 @@ def _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_j
     result, detail = lossless_check(resolve_bundle(bundle), drafter, tree, samples, length, top_k, seed=seed,
                                     threads=threads, progress=not as_json)
     report = {**result.to_dict(), **detail}
+    if not detail["batch_invariant"]:  # speculation here is not plain decoding, whatever the statistic says
+        report["verdict"] = "fail"
+        if not as_json:
+            click.echo(f"lossless: FAIL — {detail['batch_invariance_reason']}")
     if not as_json:
         click.echo(f"lossless ({detail['drafter']}, tree {detail['tree']}): chi-square {result.statistic:.2f} "
                    f"vs threshold {result.threshold:.2f} (dof {result.dof}, α={result.alpha}, {result.samples} samples, "

@@ -3,8 +3,6 @@ speculative greedy output equals the quantized target's own plain greedy output.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -55,7 +53,18 @@ def test_every_weight_matmul_is_quantized_and_recorded(quantized_tiny):
         # q/k/v (fused or not), o, gate/up (fused or not), down per layer, and the LM head
         assert ops.count("MatMulNBits") == q["matmuls"][role] >= 3 * layers + 1
         assert "Gemm" not in ops  # the tied head was untied and quantized
-    assert q["batch_invariance"] == {"target": 0.0, "draft": 0.0}
+    assert_exact_mode_recorded(m)
+
+
+def assert_exact_mode_recorded(m: Manifest) -> None:
+    """The export measured batch invariance on this machine and found a mode that restores it (which
+    mode depends on the CPU's kernels: direct on some, padded passes on others)."""
+    from specrt.runtime.invariance import CHECKS
+    from specrt.runtime.machine import Fingerprint
+
+    record = m.artifacts["exactness"][f"{Fingerprint.here(2).key}/{m.target.file}"]
+    assert record["chosen"] is not None, record["measured"]
+    assert all(record["measured"][record["chosen"]][c] == 0.0 for c in CHECKS), record["measured"]
 
 
 def test_manifest_hashes_match_the_quantized_files(quantized_tiny):
@@ -111,21 +120,3 @@ def test_unknown_scheme_is_refused_before_loading(tmp_path):
     assert result.exit_code != 0 and "int3" in result.output
     with pytest.raises(Exception, match="int3"):
         quantize.scheme("int3")
-
-
-@pytest.mark.slow
-def test_real_int4_bundle_is_batch_invariant_and_lossless(real_model, tmp_path_factory):
-    """The real model quantized to int4: verify pass == one-token passes bit for bit, and speculative
-    greedy (n-gram and the truncated draft) equals the int4 target's own plain greedy on real prompts."""
-    out = tmp_path_factory.mktemp("int4") / "smollm2-int4"
-    export_bundle(real_model, out, ExportOptions(draft_layers=4, progress=False, quantize="int4",
-                                                 check_parity=False))
-    q = json.loads((out / "manifest.json").read_text())["artifacts"]["quantization"]
-    assert q["batch_invariance"] == {"target": 0.0, "draft": 0.0}
-    gen = Generator(out, max_seq_len=512)
-    for prompt in ("Write a Python function that reverses a string, then use it on three words.",
-                   "Rewrite this sentence in the passive voice: The committee approved the new budget."):
-        ids = gen.tokenizer.encode_prompt(prompt)
-        plain = gen.use("plain").generate_ids(ids, 64).token_ids
-        for drafter in ("ngram", "draft"):
-            assert gen.use(drafter).generate_ids(ids, 64).token_ids == plain, (drafter, prompt)

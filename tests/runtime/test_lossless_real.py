@@ -1,9 +1,7 @@
-"""Lossless on the real default model: greedy speculative output equals plain greedy output.
-
-Design property behind it: the ONNX Runtime CPU graph is batch-invariant in the token window — one
-k-token verify pass gives bitwise the logits of k single-token passes (tested below), so chain
-verification can only reproduce plain decoding. Should a divergence ever appear, the test demands
-proof that it is a floating-point tie (top-2 logit gap below TIE_BOUND) and fails otherwise.
+"""Batch invariance on the real default model (fp32), through the runtime's own passes: a verify
+window and a tree node give bitwise the logits and KV rows of plain decoding's one-token passes, in
+the execution mode measured for this machine. (Every drafter's output against plain decoding, on
+int4 and fp32 bundles, is tests/runtime/test_lossless_every_drafter.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from importlib import resources
 import numpy as np
 import pytest
 
-TIE_BOUND = 1e-4  # a top-2 logit gap smaller than this is a floating-point tie in fp32 at these magnitudes
 PROMPTS = [json.loads(line) for line in
            (resources.files("specrt") / "data" / "bench_prompts.jsonl").read_text().splitlines()]
 
@@ -22,46 +19,6 @@ PROMPTS = [json.loads(line) for line in
 def test_prompt_set_is_diverse():
     cats = {p["category"] for p in PROMPTS}
     assert len(PROMPTS) >= 8 and {"code", "chat", "rewrite", "maths"} <= cats
-
-
-def top2_gap(gen, ids: list[int]) -> float:
-    """Target's top-1 minus top-2 logit for the token after `ids` (fresh plain pass)."""
-    from specrt.runtime.generate import Generator
-
-    fresh = Generator(gen.bundle, max_seq_len=gen.capacity, threads=gen.threads)
-    logits = fresh.forward(ids, 0, rows=[len(ids) - 1])[0]
-    top = np.sort(logits)[-2:]
-    return float(top[1] - top[0])
-
-
-TWO_PER_CATEGORY = [p for p in PROMPTS if p["id"].endswith(("-1", "-2"))]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("drafter,tree,prompts", [("ngram", None, PROMPTS), ("draft", None, PROMPTS),
-                                                  ("ngram", "default", PROMPTS),
-                                                  ("draft", "default", TWO_PER_CATEGORY)],
-                         ids=["ngram-chain", "draft-chain", "ngram-tree", "draft-tree"])
-def test_speculative_greedy_equals_plain_greedy(real_generator, drafter, tree, prompts):
-    gen = real_generator
-    report = []
-    assert len(prompts) >= 8
-    for p in prompts:
-        ids = gen.tokenizer.encode_prompt(p["prompt"])
-        plain = gen.use("plain").generate_ids(ids, 64)
-        spec = gen.use(drafter, tree).generate_ids(ids, 64)
-        assert plain.stats.new_tokens >= 8, f"{p['id']}: too short to be meaningful"
-        if spec.token_ids != plain.token_ids:
-            i = next((j for j, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids, strict=False)) if a != b),
-                     min(len(spec.token_ids), len(plain.token_ids)))
-            gap = top2_gap(gen, ids + plain.token_ids[:i])
-            assert gap < TIE_BOUND, (f"{drafter} diverged from plain on {p['id']} at token {i} with top-2 gap "
-                                     f"{gap:.3e} ≥ {TIE_BOUND}: not a floating-point tie")
-            report.append((p["id"], i, gap))
-        else:
-            assert spec.finish_reason == plain.finish_reason
-        assert spec.stats.steps <= plain.stats.steps
-    assert not report, f"divergences (all proven ties): {report}"  # none expected: the graph is batch-invariant
 
 
 @pytest.mark.slow

@@ -12,35 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from specrt.export.bundle import ExportOptions, export_bundle
-from specrt.export.drafters.eagle import default_taps
-from specrt.export.training.corpus import load_prompts
-from specrt.export.training.datagen import build_data
-from specrt.export.training.loop import TrainSettings, train
 from specrt.runtime.generate import Generator
-from specrt.runtime.validate import PROMPT, lossless_check
+from specrt.runtime.validate import lossless_check
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = {"draft": 6, "medusa": 30, "eagle": 20, "eagle3": 20, "mtp": 20}
-
 
 @pytest.fixture(scope="module")
-def trained(real_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trained")
-    rows = [r for r in load_prompts("train")][:9:3] + [{"id": "validate", "split": "train", "prompt": PROMPT}]
-    rows += load_prompts("heldout")[:1]
-    data = build_data(real_model, rows, 40, tuple(default_taps(real_model.module.cfg.num_layers)), None, False)
-    metrics, requested = {}, []
-    for kind, epochs in EPOCHS.items():
-        settings = TrainSettings(kind=kind, epochs=epochs, batch_seqs=2, evals=1, draft_vocab=2048,
-                                 options={"num_layers": 2} if kind == "draft" else {})
-        metrics[kind] = train(real_model.module, settings, tmp / kind, data, progress=False)
-        requested.append((kind, tmp / kind))
-    bundle = tmp / "bundle"
-    # graph parity is tested per kind on tiny models (tests/export/test_drafters.py); skipped here for time
-    export_bundle(real_model, bundle, ExportOptions(progress=False, check_parity=False, drafters=tuple(requested)))
-    return bundle, rows[:-1], metrics
+def trained(trained_drafters, trained_bundle):
+    _, prompts, metrics = trained_drafters
+    return trained_bundle, prompts, metrics
 
 
 def test_training_reports_a_curve_and_saves_checkpoints(trained):

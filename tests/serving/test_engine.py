@@ -22,8 +22,7 @@ def _pass_logits(gen: Generator, engine: Engine, prompts: list[list[int]]) -> tu
     plans = []
     for b, ids in enumerate(prompts):
         n = len(ids)
-        engine._pass([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b, b + 1,
-                     rows_needed=[np.array([n - 1])])
+        engine._pass([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b, b + 1)
         plans.append(Pass(np.asarray([ids[-1], 11, 12][: 1 + b % 3], np.int64), n - 1, Tree.chain(b % 3),
                           np.arange(1 + b % 3)))
     batched = engine._pass(plans, 0, len(plans))["logits"].copy()
