@@ -187,3 +187,18 @@ def test_server_reports_exactness_in_models_and_metrics(tiny_bundle, monkeypatch
     assert (info["drafter"], info["slots"]) == (("ngram", 4) if allow else ("plain", 1))
     assert f"specrt_lossless {0.0 if allow else 1.0}" in metrics
     assert 'specrt_exec_mode_info{batch_invariant="false",mode="direct"} 1.0' in metrics
+
+
+def test_doctor_prints_simd_features_and_the_default_bundles_mode(tiny_bundle, home):
+    from specrt.paths import default_bundle
+    from specrt.runtime.machine import simd_features
+
+    default_bundle().parent.mkdir(parents=True)
+    default_bundle().symlink_to(tiny_bundle)
+    out = CliRunner().invoke(cli, ["doctor"])
+    assert out.exit_code == 0, out.output
+    simd = next(line for line in out.output.splitlines() if line.startswith("simd"))
+    assert f"AVX2:{'yes' if 'avx2' in simd_features() else 'no'}" in simd and "AVX-512 VNNI:" in simd and "AMX:" in simd
+    line = next(line for line in out.output.splitlines() if line.startswith("exactness"))
+    chosen = exactness.resolve(tiny_bundle, Manifest.load(tiny_bundle), 2).mode.name
+    assert f"mode in use: {chosen} (exact)" in line and "direct" in line
