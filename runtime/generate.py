@@ -67,8 +67,7 @@ class Generator:
         self.slots = int(slots)
         if self.slots > 1 and not self.exact_batches:
             self.note(f"note: batching {self.slots} sequences per pass is not exact here "
-                              f"({self.exactness.reason}); serving one sequence at a time. "
-                              "--allow-inexact batches anyway.")
+                      f"({self.exactness.reason}); serving one sequence at a time. --allow-inexact batches anyway.")
             self.slots = 1
         # padded passes (batched windows, execution modes) write KV rows past the window: room for them
         mode = self.exactness.mode
@@ -122,7 +121,7 @@ class Generator:
         self.requested_drafter = drafter
         if drafter != "plain" and not self.exact_batches:
             self.note(f"note: speculative decoding ({drafter}) is not exact here ({self.exactness.reason}); "
-                              "running plain decoding. --allow-inexact speculates anyway.")
+                      "running plain decoding. --allow-inexact speculates anyway.")
             drafter, tree = "plain", None
         key = (drafter, tree)
         if key not in self._drafters:
