@@ -73,12 +73,16 @@ BACKENDS: dict[str, Backend] = {
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 
 
+def backend_entry(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise SpecrtError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
 def make_decoder(backend: str, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2,
                  batch: int = 1, spin: bool = True, **options) -> Decoder:
     """A decoder for the graph at `path` on backend `backend` (a key of BACKENDS)."""
-    entry = BACKENDS.get(backend)
-    if entry is None:
-        raise SpecrtError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    entry = backend_entry(backend)
     known = [p for p in inspect.signature(entry.factory).parameters if p not in BASE_ARGS]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -102,16 +106,10 @@ def trt_options(bundle: Path, manifest, role: str, capacity: int) -> dict:
     return {"engine_path": Path(bundle) / built["graphs"][role]["file"], "max_window": int(built["max_window"])}
 
 
-def backend_entry(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise SpecrtError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[name]
-
-
 def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int, threads: int = 2,
                  batch: int = 1) -> Decoder:
     """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it."""
-    entry = BACKENDS.get(backend)
-    options = entry.bundle_options(bundle, manifest, role, capacity) if entry and entry.bundle_options else {}
+    entry = backend_entry(backend)
+    options = entry.bundle_options(bundle, manifest, role, capacity) if entry.bundle_options else {}
     return make_decoder(backend, manifest.onnx_path(bundle, role), manifest.graphs[role].config, capacity, threads,
                         batch, **options)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.runtime.exec_modes import MAX_PAD_ROWS, MODES, ExecMode, exec_mode
+from specrt.runtime.exec_modes import MAX_PAD_ROWS, ExecMode, exec_mode
 from specrt.runtime.machine import Fingerprint
 
 RECORDS = "exactness"  # manifest.artifacts[RECORDS][<fingerprint key>/<graph file>] = record
@@ -55,8 +55,10 @@ def worst(measurement: dict) -> float:
     return max(measurement[c] for c in CHECKS if measurement.get(c) is not None)
 
 
-def _describe(measured: dict) -> str:
-    return ", ".join(f"{name} max |Δlogits| {worst(m):.1e}" for name, m in measured.items())
+def describe_measured(measured: dict) -> str:
+    """Each measured mode's worst |Δlogits| against plain decoding, e.g. "direct 1.3e+00, pad2 0 (invariant)"."""
+    return ", ".join(f"{name} {'0 (invariant)' if m['invariant'] else f'{worst(m):.1e}'}"
+                     for name, m in measured.items())
 
 
 def judge(record: dict, requested: str, source: str) -> Exactness:
@@ -67,14 +69,15 @@ def judge(record: dict, requested: str, source: str) -> Exactness:
         if chosen is not None:
             return Exactness(exec_mode(chosen), True, "", record, source)
         return Exactness(exec_mode("direct"), False,
-                         f"no execution mode makes verify passes batch-invariant on {where} ({_describe(measured)})",
+                         f"no execution mode makes verify passes batch-invariant on {where} "
+                         f"(max |Δlogits| {describe_measured(measured)})",
                          record, source)
     mode = exec_mode(requested)
     if measured[requested]["invariant"]:
         return Exactness(mode, True, "", record, source)
     better = f"; --exec-mode auto would run {chosen}" if chosen else ""
     return Exactness(mode, False, f"mode {requested} is not batch-invariant on {where} "
-                     f"({_describe({requested: measured[requested]})}){better}", record, source)
+                     f"(max |Δlogits| {describe_measured({requested: measured[requested]})}){better}", record, source)
 
 
 def measure_record(bundle: Path, manifest, threads: int, backend: str, capacity: int | None = None,
@@ -142,8 +145,7 @@ def resolve(bundle: Path, manifest, threads: int, backend: str = "ort", requeste
         exec_mode(requested)  # a bad name fails before anything is measured
     fp = Fingerprint.here(threads, backend)
     graph = manifest.onnx_path(bundle, "target")
-    key = f"{fp.key}/{_relative(graph, bundle)}"
-    record = manifest.artifacts.get(RECORDS, {}).get(key)
+    record = manifest.artifacts.get(RECORDS, {}).get(record_key({"key": fp.key, "graph": _relative(graph, bundle)}))
     if record is not None and (requested == "auto" or requested in record["measured"]):
         return judge(record, requested, "bundle record")
     try:
@@ -157,7 +159,7 @@ def resolve(bundle: Path, manifest, threads: int, backend: str = "ort", requeste
             record = None  # a damaged cache is measured again
         if record is not None and (requested == "auto" or requested in record.get("measured", {})):
             return judge(record, requested, "machine cache")
-    extra = [requested] if requested in MODES else []
+    extra = [] if requested == "auto" else [requested]
     record = measure_record(bundle, manifest, threads, backend, capacity, extra, graph)
     try:
         _write_atomic(cache, json.dumps(record, indent=1))

@@ -45,14 +45,14 @@ def _simd() -> str:
 def _bundle_exactness(bundle, threads: int) -> str:
     """The default bundle's batch invariance on this machine and the mode the runtime uses."""
     from specrt.errors import SpecrtError
-    from specrt.runtime.exactness import resolve, worst
+    from specrt.runtime.exactness import describe_measured, resolve
     from specrt.runtime.manifest import Manifest
 
     try:
         e = resolve(bundle, Manifest.load(bundle), threads)
     except SpecrtError as err:
         return f"unknown ({err})"
-    modes = ", ".join(f"{name} {worst(m):.1e}" for name, m in e.record["measured"].items())
+    modes = describe_measured(e.record["measured"])
     verdict = f"mode in use: {e.mode.name} (exact)" if e.lossless else f"NOT exact: {e.reason}"
     return f"verify vs plain max |Δlogits| {modes} ({e.source}); {verdict}"
 

@@ -118,12 +118,11 @@ def available_drafters(manifest) -> list[str]:
 
 def echo_exactness(record: dict) -> None:
     """One line per measured machine: each mode's worst |Δlogits| and the mode auto runs."""
-    from specrt.runtime.exactness import worst
+    from specrt.runtime.exactness import describe_measured
     from specrt.runtime.machine import Fingerprint
 
     where = Fingerprint.from_dict(record["fingerprint"]).describe()
-    modes = ", ".join(f"{name} {'0 (invariant)' if m['invariant'] else f'{worst(m):.1e}'}"
-                      for name, m in record["measured"].items())
+    modes = describe_measured(record["measured"])
     verdict = f"mode {record['chosen']}: speculative output is exact" if record["chosen"] else \
         "NO mode is exact: speculation falls back to plain decoding unless --allow-inexact"
     click.echo(f"batch invariance on {where}: verify vs plain max |Δlogits| {modes} → {verdict}",
