@@ -27,7 +27,7 @@ from specrt.export.modeling import DecoderLM
 from specrt.export.reference_io import save_references
 from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.exactness import measure_record, store_in_manifest
-from specrt.runtime.manifest import GraphEntry, Manifest, sha256_file
+from specrt.schema.manifest import GraphEntry, Manifest, sha256_file
 
 PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module
 
@@ -80,7 +80,7 @@ def _save_graph(module: DecoderLM, folder: Path, role: str, source: str, progres
 
 def parity(module: DecoderLM, onnx_path: Path, prompt_len: int = 10, window: int = 6) -> dict:
     """Max |Δlogits| between ONNX Runtime and the torch module for prefill, decode and a verify window."""
-    from specrt.runtime.backend_ort import OrtDecoder
+    from specrt.engines.ort_cpu.runner import OrtDecoder
 
     cfg = module.cfg
     capacity = prompt_len + window + 2

@@ -21,7 +21,7 @@ import numpy as np
 from specrt.export.modeling import DecoderLM
 from specrt.plugins import tree_attention
 from specrt.plugins.onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 def _np(t) -> np.ndarray:

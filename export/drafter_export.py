@@ -20,11 +20,11 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from specrt.engines.ort_cpu.runner import OrtDecoder, session_options
 from specrt.errors import SpecrtError
 from specrt.export.drafters.graphs import feature_graph, fuse_graph, medusa_graph
 from specrt.plugins.onnx_builder import OPSET
-from specrt.runtime.backend_ort import OrtDecoder, session_options
-from specrt.runtime.manifest import GraphEntry, sha256_file
+from specrt.schema.manifest import GraphEntry, sha256_file
 
 PARITY_TOLERANCE = 1e-3
 

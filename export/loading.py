@@ -15,7 +15,7 @@ import torch
 from specrt.errors import SpecrtError
 from specrt.export.archs import arch_for
 from specrt.export.modeling import DecoderLM
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specrt.plugins.tree_attention import MASK_VALUE
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 class RMSNorm(nn.Module):

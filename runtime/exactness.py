@@ -84,8 +84,8 @@ def measure_record(bundle: Path, manifest, threads: int, backend: str, capacity:
                    modes: list[str] | None = None, graph: Path | None = None) -> dict:
     """Measure the target graph (default: the one the runtime loads) on this machine: `direct`, then the
     padded modes until one is invariant, plus any named in `modes`."""
+    from specrt.engines.registry import backend_entry, make_decoder, open_decoder
     from specrt.runtime import invariance
-    from specrt.runtime.backends import backend_entry, make_decoder, open_decoder
 
     entry = backend_entry(backend)
     batch = min(len(invariance.BATCH), entry.max_batch)

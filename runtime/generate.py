@@ -20,20 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.engines.registry import backend_entry, open_decoder
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
-from specrt.runtime.backends import backend_entry, open_decoder
 from specrt.runtime.drafters import DrafterContext, make_drafter
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
-from specrt.runtime.manifest import Manifest
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, pack_windows
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
 from specrt.runtime.text import TextAssembler
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.tree import Tree, resolve_tree
+from specrt.schema.manifest import Manifest
 
 WINDOW_MARGIN = 66  # KV rows beyond capacity for padded batched windows: root + up to 64 nodes (+1 spare)
 
@@ -74,7 +74,7 @@ class Generator:
         rows = self.capacity + (WINDOW_MARGIN if self.slots > 1 else mode.min_rows - 1)
         if backend_entry(backend).pinned_capacity:  # engines built for `capacity` rows: the margin comes off it
             rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
-        self.backend = backend  # the target's (runtime/backends.py); drafters run on ONNX Runtime, CPU
+        self.backend = backend  # the target's (engines/registry.py); drafters run on ONNX Runtime, CPU
         target = open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots)
         self.target = shaped(target, mode)
         self.threads = threads

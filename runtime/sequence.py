@@ -5,7 +5,7 @@
     while (p := seq.plan()) is not None:    propose: the verify window of this step
         seq.commit(p, logits, outs)         accept + commit after the verify pass over p
 
-`Generator.stream` drives one sequence with batch-1 passes; the serving engine (runtime/serving/)
+`Generator.stream` drives one sequence with batch-1 passes; the serving scheduler (runtime/serving/)
 drives many with one batched verify pass per step. Both run exactly this code, so a served request
 commits the same tokens as `specrt generate` would.
 """

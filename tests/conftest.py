@@ -68,7 +68,7 @@ def trained_drafters(real_model, tmp_path_factory):
     from specrt.export.training.corpus import load_prompts
     from specrt.export.training.datagen import build_data
     from specrt.export.training.loop import TrainSettings, train
-    from specrt.runtime.validate import PROMPT
+    from specrt.tools.validate import PROMPT
 
     tmp = tmp_path_factory.mktemp("trained")
     rows = [r for r in load_prompts("train")][:9:3] + [{"id": "validate", "split": "train", "prompt": PROMPT}]

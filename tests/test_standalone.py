@@ -111,7 +111,7 @@ print("\\n".join(bad))
 """
 # the exporter and the Triton kernels need the [export] extra; the Triton server's Python model runs inside
 # Triton (`triton_python_backend_utils`)
-NEED_EXTRAS = ("specrt.export", "specrt.plugins.triton_kernels", "specrt.engines.triton_python_model")
+NEED_EXTRAS = ("specrt.export", "specrt.plugins.triton_kernels", "specrt.runtime.serving.triton.model")
 
 
 def test_runtime_modules_import_without_extras(venv):

@@ -18,7 +18,7 @@ from specrt.export.drafters.eagle import Eagle3Config, Eagle3Head, EagleConfig, 
 from specrt.export.drafters.medusa import MedusaConfig, MedusaHeads
 from specrt.export.drafters.mtp import MtpConfig, MtpModules
 from specrt.export.modeling import DecoderLM
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from specrt.export.modeling import DecoderLayer, attention_mask, rope_cos_sin
 from specrt.plugins.tree_attention import MASK_VALUE
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # copied from the target; never saved with a drafter
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from specrt.export.drafters.base import FrozenTargetWeights
 from specrt.export.modeling import DecoderLM
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

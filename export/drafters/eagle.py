@@ -26,7 +26,7 @@ from torch import nn
 
 from specrt.export.drafters.base import FeatureDrafter, one_layer
 from specrt.export.modeling import MLP, Attention, DecoderLayer, RMSNorm
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

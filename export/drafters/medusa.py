@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from specrt.export.drafters.base import FrozenTargetWeights
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

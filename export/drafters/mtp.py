@@ -20,7 +20,7 @@ from torch import nn
 
 from specrt.export.drafters.base import FeatureDrafter, FrozenTargetWeights, one_layer
 from specrt.export.modeling import DecoderLayer, RMSNorm
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.engines.ort_cpu.runner import OrtDecoder, top_desc
 from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.backend_ort import OrtDecoder, top_desc
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.drafters.features import common_prefix
 from specrt.runtime.sampling import SamplingParams, warp

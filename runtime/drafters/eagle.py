@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.engines.ort_cpu.runner import top_desc
 from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.backend_ort import top_desc
 from specrt.runtime.drafters import DrafterContext, Proposal, register
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.sampling import SamplingParams, warp
@@ -194,7 +194,7 @@ class Eagle3(EagleDrafter):
     def __init__(self, ctx: DrafterContext):
         import onnxruntime as ort
 
-        from specrt.runtime.backend_ort import session_options
+        from specrt.engines.ort_cpu.runner import session_options
 
         super().__init__(ctx)
         self.vocab_ids = np.load(ctx.bundle / self.entry["vocab_ids"], allow_pickle=False)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
-from specrt.runtime.backend_ort import OrtDecoder
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""Serving: the continuous-batching engine, the OpenAI-compatible HTTP API and its metrics."""
+"""Serving: the continuous-batching scheduler, the OpenAI-compatible HTTP API and its metrics."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over the serving engine (FastAPI).
+"""The OpenAI-compatible HTTP API over the serving scheduler (FastAPI).
 
     POST /v1/completions        raw prompt               (stream: SSE chunks, then `data: [DONE]`)
     POST /v1/chat/completions   chat-templated messages  (stream: SSE deltas, then `data: [DONE]`)
@@ -6,7 +6,7 @@
 
 Every refusal is an OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status (503 when every slot and the queue are full); an error inside one request never stops the
-server. A client that disconnects is cancelled: its KV slot is free at the engine's next step.
+server. A client that disconnects is cancelled: its KV slot is free at the scheduler's next step.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrt.errors import SpecrtError
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.serving.engine import Engine, EngineFull, Handle
 from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest
+from specrt.runtime.serving.scheduler import Handle, Scheduler, SchedulerFull
 from specrt.runtime.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.2
@@ -57,19 +57,19 @@ def _describe(errors) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request body", next(iter(seen), None)
 
 
-def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -> FastAPI:
-    tokenizer, capacity = engine.gen.tokenizer, engine.gen.capacity
-    metrics = engine.metrics
-    gen = engine.gen
+def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 256) -> FastAPI:
+    tokenizer, capacity = scheduler.gen.tokenizer, scheduler.gen.capacity
+    metrics = scheduler.metrics
+    gen = scheduler.gen
     exactness = {"lossless": gen.lossless, "exec_mode": gen.exactness.mode.name,
                  "batch_invariant": gen.exactness.lossless, "reason": gen.exactness.reason,
-                 "drafter": engine.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
+                 "drafter": scheduler.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        scheduler.start()
         yield
-        engine.stop()
+        scheduler.stop()
 
     app = FastAPI(title="specrt", lifespan=lifespan)
     KNOWN = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}  # metric labels
@@ -102,9 +102,9 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
     # ── endpoints ───────────────────────────────────────────────────────────────────────────
     @app.get("/health")
     async def health():
-        alive = engine._thread is not None and engine._thread.is_alive()
-        body = {"status": "ok" if alive else "engine stopped", "model": model_name, "slots": len(engine.slots),
-                "running": engine.running, "waiting": len(engine.waiting), "drafter": engine.drafter_name}
+        alive = scheduler._thread is not None and scheduler._thread.is_alive()
+        body = {"status": "ok" if alive else "scheduler stopped", "model": model_name, "slots": len(scheduler.slots),
+                "running": scheduler.running, "waiting": len(scheduler.waiting), "drafter": scheduler.drafter_name}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -147,8 +147,8 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256) -
                            f"{len(ids)} = {room} at most", "max_tokens", "context_length_exceeded")
         sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
         try:
-            return engine.submit(ids, max_tokens, sampling, asyncio.get_running_loop())
-        except EngineFull as e:
+            return scheduler.submit(ids, max_tokens, sampling, asyncio.get_running_loop())
+        except SchedulerFull as e:
             raise ApiError(503, str(e), code="server_busy", kind="server_error") from None
         except SpecrtError as e:
             raise ApiError(400, str(e)) from None

@@ -1,7 +1,7 @@
 """`specrt bench-serve`: throughput and latency of the HTTP server at several concurrencies, batched
 verify passes against batch-1 serving of the same requests, side by side in one run.
 
-Each configuration starts a fresh engine (same Generator, same weights) behind a real loopback
+Each configuration starts a fresh scheduler (same Generator, same weights) behind a real loopback
 uvicorn server and sends the same requests (greedy, chat) from `concurrency` concurrent clients.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from specrt.runtime.generate import Generator
 from specrt.runtime.serving.api import create_app
-from specrt.runtime.serving.engine import Engine
+from specrt.runtime.serving.scheduler import Scheduler
 
 
 @contextlib.contextmanager
@@ -58,8 +58,8 @@ async def _clients(url: str, prompts: list[str], max_tokens: int, concurrency: i
 
 
 def measure(gen: Generator, prompts: list[str], max_tokens: int, concurrency: int, slots: int) -> dict:
-    engine = Engine(gen, max_waiting=len(prompts), max_slots=slots)
-    with loopback_server(create_app(engine, "bench")) as url:
+    scheduler = Scheduler(gen, max_waiting=len(prompts), max_slots=slots)
+    with loopback_server(create_app(scheduler, "bench")) as url:
         t0 = time.perf_counter()
         done = asyncio.run(_clients(url, prompts, max_tokens, concurrency))
         wall = time.perf_counter() - t0
@@ -69,7 +69,7 @@ def measure(gen: Generator, prompts: list[str], max_tokens: int, concurrency: in
             "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "latency_p50_s": round(float(np.percentile(lat, 50)), 3),
             "latency_p95_s": round(float(np.percentile(lat, 95)), 3),
-            "mean_batch": round(float(np.mean(engine.batch_sizes)), 2) if engine.batch_sizes else 0.0}
+            "mean_batch": round(float(np.mean(scheduler.batch_sizes)), 2) if scheduler.batch_sizes else 0.0}
 
 
 def bench_serve(gen: Generator, prompts: list[str], max_tokens: int, concurrencies: list[int]) -> list[dict]:

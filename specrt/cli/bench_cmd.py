@@ -24,7 +24,7 @@ def default_prompts() -> Path:
 
 
 def _prompts(spec: str | None, per_category: int | None):
-    from specrt.runtime.bench import load_prompts
+    from specrt.tools.bench import load_prompts
 
     if spec == "heldout":
         return load_prompts(Path(str(resources.files("specrt") / "data" / "train_prompts.jsonl")), "heldout",
@@ -68,8 +68,8 @@ def _prompts(spec: str | None, per_category: int | None):
 def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, mode_baseline, trees,
             raw, json_out, report_dir, temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
-    from specrt.peers import make_peers
-    from specrt.runtime.bench import format_table, run_bench
+    from specrt.tools.bench import format_table, run_bench
+    from specrt.tools.peers import make_peers
 
     runtime["allow_inexact"] = True  # a benchmark runs what it is asked; identity with plain is reported
     gen = make_generator(bundle, "plain", **runtime)
@@ -80,11 +80,11 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         names = available_drafters(gen.manifest)
     peers = make_peers(peer_names, gen.manifest, gen.threads, gen.capacity)
     if baseline is not None:
-        from specrt.peers import baseline_peer
+        from specrt.tools.peers import baseline_peer
 
         peers.update(baseline_peer(baseline, gen.threads, gen.capacity))
     if mode_baseline is not None:
-        from specrt.peers import exec_mode_peers
+        from specrt.tools.peers import exec_mode_peers
 
         peers.update(exec_mode_peers(gen.bundle, mode_baseline, names, gen.threads, gen.capacity))
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
@@ -102,8 +102,8 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         tmp.replace(json_out)
         click.echo(f"results written: {json_out}")
     if report_dir:
-        from specrt.runtime.report import write_report
-        from specrt.runtime.roofline import build_roofline, measure_bandwidth, prompt_token_counts
+        from specrt.tools.report import write_report
+        from specrt.tools.roofline import build_roofline, measure_bandwidth, prompt_token_counts
 
         bandwidth = measure_bandwidth(threads=gen.threads)  # same run, after the benchmark
         lengths = prompt_token_counts(gen, _prompts(prompts, per_category), raw)

@@ -21,8 +21,8 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, **ru
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run."""
     from specrt.cli.bench_cmd import default_prompts
-    from specrt.runtime.bench import load_prompts
     from specrt.runtime.serving.loadgen import bench_serve, format_rows
+    from specrt.tools.bench import load_prompts
 
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:

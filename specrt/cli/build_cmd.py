@@ -25,10 +25,10 @@ from specrt.cli.options import bundle_argument, echo_exactness, resolve_bundle
 def command(bundle, backend, precision, max_seq_len, max_window, threads):
     """Build engines for BUNDLE and record them in its manifest, with the batch invariance of the
     target measured on this machine (the execution mode the runtime then uses here)."""
-    from specrt.engines.ort import build_ort
-    from specrt.engines.trt import INSTALL_HINT, build_trt, tensorrt_available
+    from specrt.engines.ort_cpu.build import build_ort
+    from specrt.engines.trt.build import INSTALL_HINT, build_trt, tensorrt_available
     from specrt.runtime.exactness import measure_record, store_in_manifest
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     path = resolve_bundle(bundle)
     manifest = Manifest.load(path)

@@ -46,7 +46,7 @@ def _bundle_exactness(bundle, threads: int) -> str:
     """The default bundle's batch invariance on this machine and the mode the runtime uses."""
     from specrt.errors import SpecrtError
     from specrt.runtime.exactness import describe_measured, resolve
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     try:
         e = resolve(bundle, Manifest.load(bundle), threads)

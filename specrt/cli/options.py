@@ -84,7 +84,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
     from specrt.runtime.generate import Generator
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     path = resolve_bundle(bundle)
     given = {"num_draft_tokens": num_draft_tokens, "tree": tree, "adaptive": adaptive, "tree_nodes": tree_nodes,

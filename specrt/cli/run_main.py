@@ -32,7 +32,7 @@ def cli() -> None:
 
 def summary(bundle: Path) -> dict:
     """What `specrt-run info` prints: the manifest's model, graphs, drafters, quantization, engines."""
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     m = Manifest.load(bundle)
     cfg = m.target.config

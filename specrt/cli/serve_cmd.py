@@ -29,13 +29,13 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
     import uvicorn
 
     from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.engine import Engine
+    from specrt.runtime.serving.scheduler import Scheduler
 
     path = resolve_bundle(bundle)
     gen = make_generator(path, drafter, slots=slots, **runtime)
-    engine = Engine(gen, max_waiting=max_waiting)
+    scheduler = Scheduler(gen, max_waiting=max_waiting)
     name = model_name or path.name
-    app = create_app(engine, name, default_max_tokens)
+    app = create_app(scheduler, name, default_max_tokens)
     for note in gen.notes:
         click.echo(note, err=True)
     click.echo(f"specrt serve: {name} ({gen.drafter_name}, {gen.slots} slots, context {gen.capacity}) on "

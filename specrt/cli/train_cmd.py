@@ -12,7 +12,7 @@ def _target_source(target: Path | None) -> Path:
     """A model path from --target: a model folder / GGUF, or a bundle (its manifest names the source)."""
     from specrt.errors import SpecrtError
     from specrt.export.default_model import default_model_path
-    from specrt.runtime.manifest import MANIFEST, Manifest
+    from specrt.schema.manifest import MANIFEST, Manifest
 
     if target is None:
         return default_model_path()

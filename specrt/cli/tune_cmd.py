@@ -36,9 +36,9 @@ def spread(prompts: list, limit: int) -> list:
 def command(bundle, prompts_file, drafters, max_new_tokens, limit, threads, raw, dry_run):
     """Pick the fastest lossless configuration for BUNDLE and make it the default."""
     from specrt.cli.bench_cmd import default_prompts
-    from specrt.runtime.bench import load_prompts
     from specrt.runtime.generate import Generator
-    from specrt.runtime.tune import save_choice, tune
+    from specrt.tools.bench import load_prompts
+    from specrt.tools.tune import save_choice, tune
 
     path = resolve_bundle(bundle)
     prompts = spread(load_prompts(prompts_file or default_prompts()), limit)

@@ -44,7 +44,7 @@ def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k,
 
 
 def _polygraphy(bundle, threads, as_json) -> dict:
-    from specrt.runtime.polygraphy_check import format_report, polygraphy_check
+    from specrt.engines.trt.polygraphy_check import format_report, polygraphy_check
 
     report = polygraphy_check(bundle, threads=threads)
     if not as_json:
@@ -54,7 +54,7 @@ def _polygraphy(bundle, threads, as_json) -> dict:
 
 
 def _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json) -> dict:
-    from specrt.runtime.validate import lossless_check
+    from specrt.tools.validate import lossless_check
 
     result, detail = lossless_check(resolve_bundle(bundle), drafter, tree, samples, length, top_k, seed=seed,
                                     threads=threads, progress=not as_json)

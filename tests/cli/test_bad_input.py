@@ -109,7 +109,7 @@ def test_bad_prompts_file(tmp_path, real_bundle):
 
 
 def test_build_trt_without_tensorrt_says_what_to_install(real_bundle):
-    from specrt.engines.trt import tensorrt_available
+    from specrt.engines.trt.build import tensorrt_available
 
     if tensorrt_available():  # pragma: no cover - only where TensorRT exists
         pytest.skip("TensorRT is installed here; this test covers machines without it")

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli import cli
-from specrt.runtime.manifest import Manifest
-from specrt.runtime.tune import Candidate, candidates
+from specrt.schema.manifest import Manifest
+from specrt.tools.tune import Candidate, candidates
 
 
 @pytest.fixture()
@@ -73,7 +73,7 @@ def test_candidates_cover_depths_and_adaptive():
 
 def test_prompts_are_spread_over_categories():
     from specrt.cli.tune_cmd import spread
-    from specrt.runtime.bench import Prompt
+    from specrt.tools.bench import Prompt
 
     prompts = [Prompt(f"{c}{i}", c, "x") for c in ("code", "chat", "maths") for i in range(3)]
     assert [p.id for p in spread(prompts, 4)] == ["code0", "chat0", "maths0", "code1"]

@@ -3,7 +3,7 @@
 Checked here: the build plan (profiles, version gate, manifest entry, prefill chunks), the gated
 entry points (one clear line naming what to install), what the ONNX parser needs on the exported
 custom-op nodes, and that the TreeAttention AOT wrapper compiles to PTX in the AOT argument order.
-Not checked here: building or running an engine (engines/trt.py `build_trt`, runtime/backend_trt.py).
+Not checked here: building or running an engine (engines/trt/build.py `build_trt`, engines/trt/runner.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 import pytest
 
-from specrt.engines import trt_profiles as plan
-from specrt.engines.trt import INSTALL_HINT, tensorrt_available
+from specrt.engines.trt import profiles as plan
+from specrt.engines.trt.build import INSTALL_HINT, tensorrt_available
 from specrt.errors import SpecrtError
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 no_tensorrt = pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed: the gate does not fire")
 
@@ -139,7 +139,7 @@ def test_custom_op_nodes_name_the_plugin(tiny_bundle):
 
 # ── gated entry points ────────────────────────────────────────────────────────────────────────────
 def test_importing_the_gpu_modules_needs_neither_tensorrt_nor_torch():
-    code = ("import sys, specrt.engines.trt, specrt.engines.trt_plugins, specrt.runtime.backend_trt; "
+    code = ("import sys, specrt.engines.trt.build, specrt.plugins.tensorrt_plugins, specrt.engines.trt.runner; "
             "print(sorted(m for m in ('tensorrt', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-1500:]
@@ -148,9 +148,9 @@ def test_importing_the_gpu_modules_needs_neither_tensorrt_nor_torch():
 
 @no_tensorrt
 def test_entry_points_without_tensorrt_say_what_to_install(tiny_bundle, tmp_path):
-    from specrt.engines.trt import build_trt
-    from specrt.engines.trt_plugins import register_plugins
-    from specrt.runtime.backend_trt import TrtDecoder
+    from specrt.engines.trt.build import build_trt
+    from specrt.engines.trt.runner import TrtDecoder
+    from specrt.plugins.tensorrt_plugins import register_plugins
 
     manifest = Manifest.load(tiny_bundle)
     calls = [lambda: register_plugins(), lambda: build_trt(tiny_bundle, manifest, "fp16"),
@@ -176,7 +176,7 @@ def test_build_backend_trt_without_tensorrt_is_one_line(tiny_bundle):
 AOT_CHECK = """
 import json, re
 from triton.backends.compiler import GPUTarget
-from specrt.engines.trt_plugins import TREE_ATTENTION_SCALARS, compile_tree_attention
+from specrt.plugins.tensorrt_plugins import TREE_ATTENTION_SCALARS, compile_tree_attention
 out = {}
 for dtype in ("fp32", "fp16"):
     c = compile_tree_attention(dtype, "i64", head_dim=64, max_window=8, target=GPUTarget("cuda", 90, 32))
@@ -211,7 +211,7 @@ def test_build_passes_capacity_and_window_to_the_tensorrt_build(tiny_bundle, tmp
     from click.testing import CliRunner
 
     from specrt.cli import cli
-    from specrt.engines import trt
+    from specrt.engines.trt import build as trt
 
     bundle = tmp_path / "bundle"
     bundle.mkdir()

@@ -8,11 +8,11 @@ import onnx
 import pytest
 import torch
 
+from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.export.archs import ARCHS
 from specrt.export.bundle import PARITY_TOLERANCE, parity
 from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.loading import module_from_hf
-from specrt.runtime.backend_ort import OrtDecoder
 from tests.helpers import tiny_hf_model
 
 

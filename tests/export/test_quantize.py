@@ -14,7 +14,7 @@ from specrt.cli import cli
 from specrt.export import quantize
 from specrt.export.bundle import ExportOptions, export_bundle
 from specrt.runtime.generate import Generator
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 from tests.helpers import save_tiny_folder
 
 
@@ -68,7 +68,7 @@ def assert_exact_mode_recorded(m: Manifest) -> None:
 
 
 def test_manifest_hashes_match_the_quantized_files(quantized_tiny):
-    from specrt.runtime.manifest import sha256_file
+    from specrt.schema.manifest import sha256_file
 
     bundle, _ = quantized_tiny
     entry = Manifest.load(bundle).target

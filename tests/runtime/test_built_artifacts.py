@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from specrt.engines.ort import build_ort
+from specrt.engines.ort_cpu.build import build_ort
 from specrt.runtime.generate import Generator
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 
 def link_copy(src: str, dst: str) -> None:

@@ -17,9 +17,9 @@ import pytest
 
 from specrt.plugins.rejection_sample import children, normalize, sample_from
 from specrt.runtime.acceptance import Window, one_hot_rows, rejection
-from specrt.runtime.lossless import chi_square
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.tree import Tree
+from specrt.tools.lossless import chi_square
 
 V, L = 6, 3
 _tables = np.random.default_rng(1234)

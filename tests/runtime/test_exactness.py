@@ -10,13 +10,13 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli import cli
+from specrt.engines.registry import make_decoder
 from specrt.runtime import exactness, invariance
-from specrt.runtime.backends import make_decoder
 from specrt.runtime.exec_modes import MAX_PAD_ROWS, MODES, ShapedDecoder, pad_pass
 from specrt.runtime.generate import Generator
 from specrt.runtime.machine import Fingerprint
-from specrt.runtime.manifest import Manifest
 from specrt.runtime.tree import Tree
+from specrt.schema.manifest import Manifest
 
 
 @pytest.fixture()
@@ -174,12 +174,12 @@ def test_server_reports_exactness_in_models_and_metrics(tiny_bundle, monkeypatch
     import httpx
 
     from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.engine import Engine
     from specrt.runtime.serving.loadgen import loopback_server
+    from specrt.runtime.serving.scheduler import Scheduler
 
     _inexact(monkeypatch, tiny_bundle)
     gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4, allow_inexact=allow)
-    with loopback_server(create_app(Engine(gen), "tiny")) as url:
+    with loopback_server(create_app(Scheduler(gen), "tiny")) as url:
         info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["specrt"]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert info["batch_invariant"] is False and "no execution mode" in info["reason"]

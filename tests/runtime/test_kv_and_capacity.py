@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
-from specrt.runtime.backend_ort import OrtDecoder
 from specrt.runtime.generate import Generator
 
 

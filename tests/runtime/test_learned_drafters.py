@@ -150,7 +150,7 @@ def test_a_bundle_without_the_drafter_says_how_to_export_it(real_bundle):
 
 def test_training_rope_positions_match_the_runtime():
     """Drafted rows use position m-1+depth; training uses the row index: the same numbers."""
-    from specrt.runtime.config import DecoderConfig
+    from specrt.schema.config import DecoderConfig
 
     cfg = DecoderConfig("llama", 8, 8, 8, 1, 1, 1, 8, 1e-6, (1.0, 0.1, 0.01, 0.001))
     cos, _ = rope_cos_sin(cfg, torch.arange(6)[None])

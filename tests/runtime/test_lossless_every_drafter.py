@@ -17,7 +17,7 @@ from importlib import resources
 import pytest
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.engine import Engine
+from specrt.runtime.serving.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_prompt_set_is_the_benchmark_set():
 
 @pytest.mark.parametrize("bundle", BUNDLES)
 def test_export_measured_an_exact_mode_here(bundles, bundle):
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
     from tests.export.test_quantize import assert_exact_mode_recorded
 
     assert_exact_mode_recorded(Manifest.load(bundles[bundle]))
@@ -87,11 +87,11 @@ def test_batched_serving_equals_plain(reference, bundles, bundle, drafter):
     _, ids, plain = reference[bundle]
     gen = Generator(bundles[bundle], drafter, max_seq_len=512, num_draft_tokens=4, slots=4)
     assert gen.slots == 4 and gen.lossless, gen.notes
-    engine = Engine(gen).start()
+    scheduler = Scheduler(gen).start()
     try:
-        results = [h.wait() for h in [engine.submit(x, NEW_TOKENS) for x in ids]]
+        results = [h.wait() for h in [scheduler.submit(x, NEW_TOKENS) for x in ids]]
     finally:
-        engine.stop()
+        scheduler.stop()
     for i, (res, want) in enumerate(zip(results, plain, strict=True)):
         assert res.token_ids == want, f"served {drafter} on {bundle}, request {i}"
-    assert max(engine.batch_sizes) > 1
+    assert max(scheduler.batch_sizes) > 1

@@ -29,8 +29,8 @@ def test_generate_runs_without_torch(real_bundle):
 
 
 def test_runtime_modules_do_not_import_torch():
-    code = BLOCK + ("import specrt.runtime.generate, specrt.runtime.bench, specrt.runtime.drafters.draft_model\n"
-                    "import specrt.runtime.drafters.ngram, specrt.engines.ort, specrt.engines.trt, specrt.cli\n"
+    code = BLOCK + ("import specrt.runtime.generate, specrt.tools.bench, specrt.runtime.drafters.draft_model\n"
+                    "import specrt.runtime.drafters.ngram, specrt.engines.ort_cpu.build, specrt.engines.trt.build, specrt.cli\n"
                     "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -13,7 +13,7 @@ PROMPTS = ["Hi", "What is 2+2?", "Write a haiku about the sea.\nMake it calm.", 
 def tokenizers(real_bundle):
     from transformers import AutoTokenizer
 
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     ours = Tokenizer(real_bundle, Manifest.load(real_bundle).tokenizer)
     return ours, AutoTokenizer.from_pretrained(real_bundle / "tokenizer")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.validate import lossless_check
+from specrt.tools.validate import lossless_check
 
 pytestmark = pytest.mark.slow
 

@@ -15,26 +15,26 @@ def tiny_reference(tiny_bundle):
 
 @pytest.fixture(scope="module")
 def served(tiny_bundle):
-    """(base URL, engine) of a real HTTP server on loopback over the tiny bundle (ngram, 4 slots)."""
+    """(base URL, scheduler) of a real HTTP server on loopback over the tiny bundle (ngram, 4 slots)."""
     from specrt.runtime.generate import Generator
     from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.engine import Engine
     from specrt.runtime.serving.loadgen import loopback_server as running
+    from specrt.runtime.serving.scheduler import Scheduler
 
-    engine = Engine(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4), max_waiting=32)
-    with running(create_app(engine, "tiny", default_max_tokens=16)) as url:
-        yield url, engine
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4), max_waiting=32)
+    with running(create_app(scheduler, "tiny", default_max_tokens=16)) as url:
+        yield url, scheduler
 
 
-def slow_model(engine, seconds: float) -> None:
+def slow_model(scheduler, seconds: float) -> None:
     """Make every target pass take at least `seconds` (a stand-in for a big model), so a test can act
     while a request is still running."""
     import time
 
-    run_all = engine.gen.target.run_all
+    run_all = scheduler.gen.target.run_all
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return run_all(*args, **kwargs)
 
-    engine.gen.target.run_all = slow
+    scheduler.gen.target.run_all = slow

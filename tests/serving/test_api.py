@@ -169,16 +169,16 @@ def test_health_models_and_metrics(served):
 def slow_server(tiny_bundle):
     from specrt.runtime.generate import Generator
     from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.engine import Engine
+    from specrt.runtime.serving.scheduler import Scheduler
 
-    engine = Engine(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=0)
-    slow_model(engine, 0.05)
-    with running(create_app(engine, "tiny")) as url:
-        yield url, engine
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=0)
+    slow_model(scheduler, 0.05)
+    with running(create_app(scheduler, "tiny")) as url:
+        yield url, scheduler
 
 
 def test_full_server_answers_503_and_disconnect_frees_the_slot(slow_server):
-    url, engine = slow_server
+    url, scheduler = slow_server
     req = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=req) as s:
@@ -188,9 +188,9 @@ def test_full_server_answers_503_and_disconnect_frees_the_slot(slow_server):
             assert "retry later" in busy.json()["error"]["message"]
         # the client hung up mid-stream: the slot is free within a few steps
         deadline = time.monotonic() + 10
-        while engine.running and time.monotonic() < deadline:
+        while scheduler.running and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.running == 0
+        assert scheduler.running == 0
         text = c.get("/metrics").text
         assert "specrt_cancelled_total 1.0" in text
         assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

@@ -12,8 +12,8 @@ import numpy as np
 
 from specrt.runtime.generate import Generator
 from specrt.runtime.serving.api import create_app
-from specrt.runtime.serving.engine import Engine
 from specrt.runtime.serving.loadgen import loopback_server as running
+from specrt.runtime.serving.scheduler import Scheduler
 
 PROMPTS = ["The list of colors: red, green, blue, red, green,", "Once upon a time", "1 2 3 4 5 6 7 8",
            "Hello! How are you today?", "def add(a, b):\n    return", "Paris is the capital of"]
@@ -79,10 +79,10 @@ async def _drive(url: str, reqs: list[dict], rss: list[float]) -> list[tuple[int
 
 
 def test_500_mixed_requests_at_concurrency_8(tiny_bundle, tiny_reference):
-    engine = Engine(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=8), max_waiting=64)
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=8), max_waiting=64)
     reqs = _requests(np.random.default_rng(7))
     rss: list[float] = []
-    with running(create_app(engine, "tiny")) as url:
+    with running(create_app(scheduler, "tiny")) as url:
         results = asyncio.run(_drive(url, reqs, rss))
     errors = [(r["body"], res) for r, res in zip(reqs, results, strict=True) if res[0] != 200]
     assert not errors, errors[:3]
@@ -99,8 +99,8 @@ def test_500_mixed_requests_at_concurrency_8(tiny_bundle, tiny_reference):
             cache[key] = tok.decode(tiny_reference.generate_ids(ids, b["max_tokens"]).token_ids)
         assert text == cache[key], (r, text, cache[key])
     assert greedy > 250
-    assert max(engine.batch_sizes) >= 4  # requests really shared verify passes
+    assert max(scheduler.batch_sizes) >= 4  # requests really shared verify passes
     growth = rss[1] - rss[0]
     print(f"RSS after {WARMUP} requests {rss[0]:.1f} MB, after {REQUESTS} {rss[1]:.1f} MB; "
-          f"{engine.steps} verify passes, mean batch {np.mean(engine.batch_sizes):.2f}")
+          f"{scheduler.steps} verify passes, mean batch {np.mean(scheduler.batch_sizes):.2f}")
     assert growth < 25, f"memory grew {growth:.1f} MB between request {WARMUP} and {REQUESTS}"

@@ -55,7 +55,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         from specrt.runtime.generate import Generator
-        from specrt.runtime.manifest import Manifest
+        from specrt.schema.manifest import Manifest
 
         params = _parameters(json.loads(args["model_config"]))
         bundle = Path(params["bundle"])

@@ -11,9 +11,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.runtime import report as report_mod
-from specrt.runtime.report import row_overhead, stage_breakdown, write_report
-from specrt.runtime.roofline import (
+from specrt.tools import report as report_mod
+from specrt.tools.report import row_overhead, stage_breakdown, write_report
+from specrt.tools.roofline import (
     GraphWeights,
     bound_tokens_per_s,
     drafter_passes,
@@ -203,7 +203,7 @@ def test_bench_report_command_writes_the_report(small_bundle, tmp_path):
     from click.testing import CliRunner
 
     from specrt.cli import cli
-    from specrt.runtime.manifest import Manifest
+    from specrt.schema.manifest import Manifest
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "category": "code", "prompt": "def f(x): return x"}\n'

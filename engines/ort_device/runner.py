@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specrt.engines.ort_cpu.runner import Decoder, session_options
 from specrt.errors import SpecrtError
 from specrt.plugins.onnx_builder import FLOAT, INT64, GraphBuilder
-from specrt.runtime.backend_ort import Decoder, session_options
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 CUDA_HINT = ("ONNX Runtime's CUDA provider is not available here: `pip install onnxruntime-gpu` "

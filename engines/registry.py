@@ -17,26 +17,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrt.engines.ort_cpu.runner import Decoder
 from specrt.errors import SpecrtError
-from specrt.runtime.backend_ort import Decoder
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 def _ort(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool) -> Decoder:
-    from specrt.runtime.backend_ort import OrtDecoder
+    from specrt.engines.ort_cpu.runner import OrtDecoder
 
     return OrtDecoder(path, cfg, capacity, threads, batch, spin)
 
 
 def _ort_device(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool) -> Decoder:
-    from specrt.runtime.backend_ort_device import OrtDeviceDecoder
+    from specrt.engines.ort_device.runner import OrtDeviceDecoder
 
     return OrtDeviceDecoder(path, cfg, capacity, threads, batch, spin, device="cpu", cuda_graphs=False)
 
 
 def _ort_cuda(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
               cuda_graphs: bool = True) -> Decoder:
-    from specrt.runtime.backend_ort_device import OrtDeviceDecoder
+    from specrt.engines.ort_device.runner import OrtDeviceDecoder
 
     return OrtDeviceDecoder(path, cfg, capacity, threads, batch, spin, device="cuda", cuda_graphs=cuda_graphs)
 
@@ -44,11 +44,11 @@ def _ort_cuda(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch
 def _trt(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
          engine_path: Path | None = None, max_window: int | None = None, cuda_graphs: bool = True) -> Decoder:
     """`path` (the ONNX graph) is not read: a TensorRT engine is its own file, named in the manifest."""
-    from specrt.runtime.backend_trt import TrtDecoder
+    from specrt.engines.trt.runner import TrtDecoder
 
     if engine_path is None or max_window is None:
         raise SpecrtError("backend trt needs engine_path and max_window: get them with "
-                          "specrt.runtime.backends.trt_options(bundle, manifest, role, capacity)")
+                          "specrt.engines.registry.trt_options(bundle, manifest, role, capacity)")
     if batch != 1:
         raise SpecrtError(f"backend trt runs batch 1, got batch {batch}: use backend ort or ort-cuda")
     return TrtDecoder(engine_path, cfg, capacity, max_window, cuda_graphs=cuda_graphs)

@@ -2,7 +2,7 @@
 
 Exact target distribution of the next L tokens after a fixed prompt, under a narrow warp (top-k)
 so it can be enumerated with a handful of target passes; then N speculative generations with the
-chosen drafter and tree; Pearson's chi-square decides (see runtime/lossless.py).
+chosen drafter and tree; Pearson's chi-square decides (see tools/lossless.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.lossless import ChiSquare, chi_square
 from specrt.runtime.sampling import SamplingParams, warp
+from specrt.tools.lossless import ChiSquare, chi_square
 
 # Repetitive on purpose: prompt lookup then drafts tokens the target often samples, so the check
 # exercises acceptance and sibling rejection, not only the fallback draw.

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from specrt.errors import SpecrtError
-from specrt.peers import PEERS, assistant_model, make_peers, parse_peers
-from specrt.runtime.bench import Peer, Prompt, format_table, run_bench, summarize
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
+from specrt.tools.bench import Peer, Prompt, format_table, run_bench, summarize
+from specrt.tools.peers import PEERS, assistant_model, make_peers, parse_peers
 
 PEER_NAMES = {"transformers": ["transformers-plain", "transformers-prompt-lookup", "transformers-assisted"],
               "llamacpp": ["llamacpp-plain", "llamacpp-prompt-lookup"]}
@@ -222,7 +222,7 @@ def test_the_assistant_is_the_draft_specrt_runs(tiny_bundle):
 
 
 def assert_same_logits_as_onnx_draft(bundle, manifest, assistant):
-    from specrt.runtime.backend_ort import OrtDecoder
+    from specrt.engines.ort_cpu.runner import OrtDecoder
 
     ids = [1, 17, 305, 4242, 9, 77, 5]
     t = len(ids)

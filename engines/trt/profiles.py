@@ -18,14 +18,11 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.plugins.tensorrt_plugins import PLUGIN_NAMESPACE, PLUGIN_OPS, PLUGIN_VERSION
 
 MIN_VERSION = (10, 15)
 PARSER_FLAG = "ENABLE_PLUGIN_OVERRIDE"  # trt.OnnxParserFlag member
-PLUGIN_NAMESPACE = "specrt"
-PLUGIN_VERSION = "1"
-PLUGIN_OPS = ("TreeAttention", "RejectionSample")
 PRECISIONS = ("fp16", "bf16", "fp32")
-DEFAULT_MAX_WINDOW = 64  # drafted nodes + root; bigger trees need `specrt build --backend trt` again
 TIMING_CACHE = "tensorrt.timing-cache"  # in the bundle root, shared by every graph and every build
 
 WINDOW_DIMS = ("tokens", "rows")  # symbolic dims of the exported graphs that follow the window

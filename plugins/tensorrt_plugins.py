@@ -29,11 +29,16 @@ function body, and `build_trt` also sets `OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE`
 
 import functools
 
-from specrt.engines.trt import INSTALL_HINT
-from specrt.engines.trt_profiles import DEFAULT_MAX_WINDOW, PLUGIN_NAMESPACE
 from specrt.errors import SpecrtError
+from specrt.plugins.tree_attention import PLUGIN_ATTRS
 from specrt.plugins.triton_kernels import INSTALL_HINT as TRITON_HINT
 from specrt.plugins.triton_kernels import tl  # None without triton; Triton's codegen looks `tl` up here
+
+INSTALL_HINT = ("TensorRT is not installed: on a machine with an NVIDIA GPU and CUDA, "
+                "`pip install tensorrt polygraphy` (wheels come from NVIDIA's index via pypi.nvidia.com)")
+PLUGIN_NAMESPACE, PLUGIN_VERSION = PLUGIN_ATTRS["plugin_namespace"], PLUGIN_ATTRS["plugin_version"]
+PLUGIN_OPS = ("TreeAttention", "RejectionSample")
+DEFAULT_MAX_WINDOW = 64  # drafted nodes + root; bigger trees need `specrt build --backend trt` again
 
 TREE_ATTENTION = f"{PLUGIN_NAMESPACE}::TreeAttention"
 REJECTION_SAMPLE = f"{PLUGIN_NAMESPACE}::RejectionSample"

@@ -233,7 +233,7 @@ def engine_roofline(totals: dict, parts: dict, bandwidth_gb_s: float) -> dict:
 def split_engine(name: str) -> tuple[str, str | None]:
     """`eagle3@wide` -> ("eagle3", "wide"); `eagle3+adaptive` -> ("eagle3", None) (bench's engine_name,
     reversed)."""
-    from specrt.runtime.bench import engine_spec
+    from specrt.tools.bench import engine_spec
 
     drafter, _, tree = name.partition("@")
     return engine_spec(drafter)[0], tree or None

@@ -1,4 +1,4 @@
-"""The continuous-batching engine: batched verify passes give each sequence what it gets alone."""
+"""The continuous-batching scheduler: batched verify passes give each sequence what it gets alone."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.serving.engine import Engine, EngineFull
+from specrt.runtime.serving.scheduler import Scheduler, SchedulerFull
 from specrt.runtime.tree import Tree
 
 PROMPTS = ["Say hi.", "List three colors, then list them again.", "What is 2+2?", "Write a haiku about rain.",
            "Explain what a cat is.", "Count from 1 to 10."]
 
 
-def _pass_logits(gen: Generator, engine: Engine, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _pass_logits(gen: Generator, scheduler: Scheduler, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
     """Prefill each prompt alone in its slot, then one batched 3-token chain pass over all slots vs the
     same pass per slot alone; returns (batched logits, single logits)."""
     from specrt.runtime.sequence import Pass
@@ -22,11 +22,11 @@ def _pass_logits(gen: Generator, engine: Engine, prompts: list[list[int]]) -> tu
     plans = []
     for b, ids in enumerate(prompts):
         n = len(ids)
-        engine._pass([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b, b + 1)
+        scheduler._pass([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b, b + 1)
         plans.append(Pass(np.asarray([ids[-1], 11, 12][: 1 + b % 3], np.int64), n - 1, Tree.chain(b % 3),
                           np.arange(1 + b % 3)))
-    batched = engine._pass(plans, 0, len(plans))["logits"].copy()
-    single = [engine._pass([p], b, b + 1)["logits"][0].copy() for b, p in enumerate(plans)]
+    batched = scheduler._pass(plans, 0, len(plans))["logits"].copy()
+    single = [scheduler._pass([p], b, b + 1)["logits"][0].copy() for b, p in enumerate(plans)]
     return batched, single
 
 
@@ -36,9 +36,9 @@ def test_batched_pass_equals_single_passes(which, tiny_bundle, real_bundle):
     equal the same rows computed one sequence at a time, bit for bit."""
     bundle = tiny_bundle if which == "tiny" else real_bundle
     gen = Generator(bundle, drafter="plain", max_seq_len=64 if which == "tiny" else 256, slots=3)
-    engine = Engine(gen)
+    scheduler = Scheduler(gen)
     prompts = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
-    batched, single = _pass_logits(gen, engine, prompts)
+    batched, single = _pass_logits(gen, scheduler, prompts)
     for b, s in enumerate(single):
         m = s.shape[0]
         assert np.array_equal(batched[b, :m], s), (b, float(np.abs(batched[b, :m] - s).max()))
@@ -47,28 +47,28 @@ def test_batched_pass_equals_single_passes(which, tiny_bundle, real_bundle):
 @pytest.mark.parametrize("drafter", ["plain", "ngram", "draft"])
 def test_served_greedy_equals_single_request_plain(drafter, tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter=drafter, max_seq_len=64, slots=4)
-    engine = Engine(gen).start()
+    scheduler = Scheduler(gen).start()
     try:
         ids = [gen.tokenizer.encode_prompt(p, raw=True) for p in PROMPTS]
-        handles = [engine.submit(x, 8 + 3 * i) for i, x in enumerate(ids)]  # 6 requests, 4 slots: admission
+        handles = [scheduler.submit(x, 8 + 3 * i) for i, x in enumerate(ids)]  # 6 requests, 4 slots: admission
         results = [h.wait() for h in handles]
     finally:
-        engine.stop()
+        scheduler.stop()
     for i, (x, r) in enumerate(zip(ids, results, strict=True)):
         assert r.token_ids == tiny_reference.generate_ids(x, 8 + 3 * i).token_ids, i
-    assert max(engine.batch_sizes) > 1  # verify passes really were shared
-    assert min(engine.batch_sizes) >= 1
+    assert max(scheduler.batch_sizes) > 1  # verify passes really were shared
+    assert min(scheduler.batch_sizes) >= 1
 
 
 @pytest.mark.slow
 def test_served_greedy_equals_single_request_on_real_model(real_bundle, real_generator):
     gen = Generator(real_bundle, drafter="ngram", max_seq_len=256, slots=4)
-    engine = Engine(gen).start()
+    scheduler = Scheduler(gen).start()
     try:
         ids = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:4]]
-        results = [h.wait() for h in [engine.submit(x, 24) for x in ids]]
+        results = [h.wait() for h in [scheduler.submit(x, 24) for x in ids]]
     finally:
-        engine.stop()
+        scheduler.stop()
     real_generator.use("plain")
     for x, r in zip(ids, results, strict=True):
         assert r.token_ids == real_generator.generate_ids(x, 24).token_ids
@@ -81,40 +81,40 @@ def test_seeded_sampling_is_the_same_batched_or_alone(tiny_bundle):
     alone = Generator(tiny_bundle, drafter="ngram", max_seq_len=64)
     ids = alone.tokenizer.encode_prompt(PROMPTS[1], raw=True)
     want = [alone.generate_ids(ids, 16, sp).token_ids for sp in sampling]
-    engine = Engine(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4)).start()
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4)).start()
     try:
-        got = [h.wait().token_ids for h in [engine.submit(ids, 16, sp) for sp in sampling]]
+        got = [h.wait().token_ids for h in [scheduler.submit(ids, 16, sp) for sp in sampling]]
     finally:
-        engine.stop()
+        scheduler.stop()
     assert got == want
     assert len({tuple(t) for t in got}) > 1  # different seeds really differ
 
 
 def test_cancel_frees_the_slot_and_full_engine_refuses(tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
-    engine = Engine(gen, max_waiting=1).start()
+    scheduler = Scheduler(gen, max_waiting=1).start()
     try:
         ids = gen.tokenizer.encode_prompt(PROMPTS[0], raw=True)
-        long = engine.submit(ids, 60 - len(ids))
+        long = scheduler.submit(ids, 60 - len(ids))
         next(iter(long))  # admitted: it holds the only slot
-        with engine._lock:  # the engine waits at the top of its next iteration
-            assert long.result is None and engine.running == 1
-            waiting = engine.submit(ids, 5)  # queued
-            with pytest.raises(EngineFull, match="retry later"):
-                engine.submit(ids, 5)
+        with scheduler._lock:  # the scheduler waits at the top of its next iteration
+            assert long.result is None and scheduler.running == 1
+            waiting = scheduler.submit(ids, 5)  # queued
+            with pytest.raises(SchedulerFull, match="retry later"):
+                scheduler.submit(ids, 5)
             long.cancel()
         r = long.wait()
         assert r.finish_reason == "cancelled" and len(r.token_ids) < 60 - len(ids)
         assert waiting.wait().token_ids == tiny_reference.generate_ids(ids, 5).token_ids
-        assert engine.running == 0
+        assert scheduler.running == 0
     finally:
-        engine.stop()
+        scheduler.stop()
 
 
 def test_too_long_prompt_is_refused_at_submit(tiny_bundle):
-    engine = Engine(Generator(tiny_bundle, drafter="plain", max_seq_len=16, slots=2))
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=16, slots=2))
     with pytest.raises(Exception, match="KV capacity is 16"):
-        engine.submit(list(range(1, 17)), 4)
+        scheduler.submit(list(range(1, 17)), 4)
 
 
 def test_iter_text_streams_the_generated_text_and_returns_stats(tiny_reference):

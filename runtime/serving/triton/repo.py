@@ -4,7 +4,7 @@
       README.md                    how to launch and call it
       specrt_generate/             Python backend: the speculative loop (specrt's Generator) per request
         config.pbtxt
-        1/model.py                 engines/triton_python_model.py, verbatim
+        1/model.py                 runtime/serving/triton/model.py, verbatim
         1/bundle/...               the bundle (hard links where possible)
       specrt_<role>/               onnxruntime backend, one per bundle graph (target, draft, drafters)
         config.pbtxt
@@ -30,10 +30,10 @@ from pathlib import Path
 import onnx
 
 from specrt.errors import SpecrtError
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 GENERATE_MODEL = "specrt_generate"
-PYTHON_MODEL = Path(__file__).with_name("triton_python_model.py")
+PYTHON_MODEL = Path(__file__).with_name("model.py")
 VERSION = "1"
 
 # ONNX TensorProto element type -> Triton ModelConfig DataType

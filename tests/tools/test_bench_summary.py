@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specrt.runtime.bench import format_table, summarize
+from specrt.tools.bench import format_table, summarize
 
 
 def row(drafter, pid, tps, tau, steps, per_pos, category="code"):

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 REFERENCE = "pytorch"
 ORT = "onnxruntime"
@@ -123,7 +123,7 @@ def _ort_runner(path: Path, threads: int):
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    from specrt.runtime.backend_ort import session_options
+    from specrt.engines.ort_cpu.runner import session_options
 
     if not path.is_file():
         raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
@@ -135,8 +135,8 @@ def _ort_runner(path: Path, threads: int):
 def _trt_engines(bundle: Path, manifest: Manifest) -> dict:
     """{role: (engine path, precision)} of built TensorRT engines — if TensorRT is installed and the
     manifest lists any (`specrt build --backend trt` writes artifacts.tensorrt: {"precision", "graphs":
-    {role: {"file", ...}}}, see engines/trt_profiles.py::manifest_entry)."""
-    from specrt.engines.trt import tensorrt_available
+    {role: {"file", ...}}}, see engines/trt/profiles.py::manifest_entry)."""
+    from specrt.engines.trt.build import tensorrt_available
 
     entry = manifest.artifacts.get("tensorrt", {})
     engines = entry.get("graphs", {})

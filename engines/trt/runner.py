@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.engines.ort_cpu.runner import Decoder
 from specrt.errors import SpecrtError
-from specrt.runtime.backend_ort import Decoder
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 CUDA_HINT = "the TensorRT runtime needs torch with CUDA and a visible NVIDIA GPU: `pip install torch` (a CUDA build)"
 MAX_BUCKETS = 32  # oldest bucket (context + graph + buffers) dropped beyond this
@@ -58,8 +58,8 @@ class TrtDecoder(Decoder):
 
     def __init__(self, engine_path: Path, cfg: DecoderConfig, capacity: int, max_window: int,
                  cuda_graphs: bool = True):
-        from specrt.engines.trt import require_recent_tensorrt
-        from specrt.engines.trt_plugins import register_plugins
+        from specrt.engines.trt.build import require_recent_tensorrt
+        from specrt.plugins.tensorrt_plugins import register_plugins
 
         trt = require_recent_tensorrt()
         torch = _require_cuda_torch()
@@ -173,7 +173,7 @@ class TrtDecoder(Decoder):
     def run_all(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
                 tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> dict[str, np.ndarray]:
         """One forward pass (several for a prefill longer than the engine's window); every non-KV output."""
-        from specrt.engines.trt_profiles import plan_chunks
+        from specrt.engines.trt.profiles import plan_chunks
 
         if input_ids.shape[0] != 1:
             raise SpecrtError(f"the TensorRT engines run batch 1, got batch {input_ids.shape[0]}")

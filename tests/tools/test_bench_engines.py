@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.peers import baseline_peer
-from specrt.runtime.bench import Prompt, engine_spec, run_bench
 from specrt.runtime.generate import Generator
+from specrt.tools.bench import Prompt, engine_spec, run_bench
+from specrt.tools.peers import baseline_peer
 
 PROMPTS = [Prompt("a", "code", "a b c a b c a b c a b"), Prompt("b", "chat", "one two one two one two")]
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.errors import SpecrtError
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 
 def session_options(threads: int, spin: bool = True) -> ort.SessionOptions:

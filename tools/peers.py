@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.runtime.bench import Peer
+from specrt.tools.bench import Peer
 
 EXTRA = "pip install 'specrt[peers]'"
 # Draft tokens per step for the prompt-lookup peers: transformers' documented example value and

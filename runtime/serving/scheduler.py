@@ -1,4 +1,4 @@
-"""The serving engine: many requests share each verify pass (continuous batching).
+"""The serving scheduler: many requests share each verify pass (continuous batching).
 
 One thread owns the target graph. Each step it
   1. admits waiting requests into free KV slots (a batch-1 prefill pass each, in the slot's view),
@@ -34,7 +34,7 @@ from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
 
 
-class EngineFull(SpecrtError):
+class SchedulerFull(SpecrtError):
     """Every slot is busy and the waiting queue is full (HTTP 503)."""
 
 
@@ -44,7 +44,7 @@ BATCH_HISTORY = 4096
 
 class Handle:
     """One submitted request: iterate (sync or async) for token chunks; `result` once finished.
-    `cancel()` frees its slot at the engine's next step."""
+    `cancel()` frees its slot at the scheduler's next step."""
 
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
                  loop: asyncio.AbstractEventLoop | None):
@@ -60,7 +60,7 @@ class Handle:
     def cancel(self) -> None:
         self.cancelled = True
 
-    # called from the engine thread
+    # called from the scheduler thread
     def _put(self, item) -> None:
         if self.loop is None:
             self._q.put(item)
@@ -105,7 +105,7 @@ class _Slot:
     seq: Sequence | None = None
 
 
-class Engine:
+class Scheduler:
     """Continuous batching over a `Generator` built with `slots` KV slots (its drafter settings are the
     server's); `submit` from any thread, results through the returned `Handle`."""
 
@@ -113,7 +113,7 @@ class Engine:
                  max_slots: int | None = None):
         """`max_slots`: use only that many of the generator's KV slots (batch-1 serving: 1)."""
         if gen.slots < 1:
-            raise SpecrtError("the engine needs at least one KV slot")
+            raise SpecrtError("the scheduler needs at least one KV slot")
         self.gen, self.max_waiting = gen, max_waiting
         self.metrics = metrics or Metrics()
         self.drafter_name = gen.drafter_name
@@ -134,9 +134,9 @@ class Engine:
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_HISTORY)
 
     # ── public ──────────────────────────────────────────────────────────────────────────────
-    def start(self) -> Engine:
+    def start(self) -> Scheduler:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="specrt-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="specrt-scheduler", daemon=True)
             self._thread.start()
         return self
 
@@ -150,15 +150,15 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                loop: asyncio.AbstractEventLoop | None = None) -> Handle:
-        """Queue a request; raises EngineFull when every slot is busy and `max_waiting` are waiting."""
+        """Queue a request; raises SchedulerFull when every slot is busy and `max_waiting` are waiting."""
         check_prompt(prompt_ids, self.gen.capacity)  # refused now, not after queueing
         handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop)
         with self._lock:
             if self._stop:
-                raise EngineFull("the engine is shutting down")
+                raise SchedulerFull("the scheduler is shutting down")
             if len(self.waiting) >= self.max_waiting and not self._free_slots():
                 self.metrics.rejected.inc()
-                raise EngineFull(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests are "
+                raise SchedulerFull(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests are "
                                  "waiting: retry later")
             self.waiting.append(handle)
             self.metrics.waiting.set(len(self.waiting))
@@ -197,7 +197,7 @@ class Engine:
                 self._release(slot)
         with self._lock:
             while self.waiting:
-                self.waiting.popleft()._finish(None, EngineFull("the engine shut down"))
+                self.waiting.popleft()._finish(None, SchedulerFull("the scheduler shut down"))
 
     def _admit(self, slot: _Slot, handle: Handle) -> None:
         if handle.cancelled:
@@ -217,7 +217,7 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
             self._deliver(slot, first)
-        except Exception as e:  # this request fails; the engine goes on
+        except Exception as e:  # this request fails; the scheduler goes on
             self._fail([slot], e)
 
     def _drop_cancelled(self) -> None:

@@ -12,12 +12,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from specrt.engines.ort_cpu.runner import OrtDecoder
+from specrt.engines.ort_device.runner import CUDA_HINT, OrtDeviceDecoder
+from specrt.engines.registry import BACKENDS, make_decoder, trt_options
 from specrt.errors import SpecrtError
-from specrt.runtime.backend_ort import OrtDecoder
-from specrt.runtime.backend_ort_device import CUDA_HINT, OrtDeviceDecoder
-from specrt.runtime.backends import BACKENDS, make_decoder, trt_options
-from specrt.runtime.manifest import Manifest
 from specrt.runtime.tree import Tree
+from specrt.schema.manifest import Manifest
 
 CAPACITY = 48
 TREE = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])  # window 0:root 1:(0) 2:(1) 3:(0,0) 4:(0,1) 5:(0,0,0)

@@ -2,7 +2,7 @@
 
 `build_trt` is NEVER RUN in this workplace (no TensorRT, no GPU): it is written against the
 documented TensorRT / Polygraphy APIs, and its plan (profiles, version gate, manifest entry) lives in
-the pure, tested `specrt.engines.trt_profiles`.
+the pure, tested `specrt.engines.trt.profiles`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-
-INSTALL_HINT = ("TensorRT is not installed: on a machine with an NVIDIA GPU and CUDA, "
-                "`pip install tensorrt polygraphy` (wheels come from NVIDIA's index via pypi.nvidia.com)")
+from specrt.plugins.tensorrt_plugins import INSTALL_HINT
 
 
 def require_tensorrt():
@@ -36,7 +34,7 @@ def tensorrt_available() -> bool:
 
 def require_recent_tensorrt():
     """tensorrt, if it is new enough for specrt's engines; SpecrtError otherwise."""
-    from specrt.engines.trt_profiles import version_message, version_ok
+    from specrt.engines.trt.profiles import version_message, version_ok
 
     trt = require_tensorrt()
     if not version_ok(trt.__version__):
@@ -66,7 +64,7 @@ def build_trt(bundle, manifest, precision: str = "fp16", capacity: int | None = 
     bundle's timing cache loaded and saved across graphs and builds, then write
     `<dir>/<name>.<precision>.engine` atomically.
     """
-    from specrt.engines import trt_profiles as plan
+    from specrt.engines.trt import profiles as plan
 
     trt = require_recent_tensorrt()
     if precision not in plan.PRECISIONS:
@@ -79,7 +77,7 @@ def build_trt(bundle, manifest, precision: str = "fp16", capacity: int | None = 
         raise SpecrtError(INSTALL_HINT) from None
     from tqdm import tqdm
 
-    from specrt.engines.trt_plugins import register_plugins
+    from specrt.plugins.tensorrt_plugins import register_plugins
 
     bundle = Path(bundle)
     max_window = int(max_window or plan.DEFAULT_MAX_WINDOW)
@@ -111,7 +109,7 @@ def build_trt(bundle, manifest, precision: str = "fp16", capacity: int | None = 
 def _pinned(parse, shapes):
     """A network loader for Polygraphy: parse, then declare every dim that min = max as static, so the
     KV inputs have the static sequence length TensorRT's in-place KV cache update requires."""
-    from specrt.engines.trt_profiles import pinned_shape
+    from specrt.engines.trt.profiles import pinned_shape
 
     def load():
         builder, network, parser = parse()

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.runtime.config import DecoderConfig
+from specrt.schema.config import DecoderConfig
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1

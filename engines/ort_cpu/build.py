@@ -12,7 +12,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from specrt.runtime.manifest import Manifest
+from specrt.schema.manifest import Manifest
 
 
 def build_ort(bundle: Path, manifest: Manifest, threads: int = 2) -> dict:

@@ -1,0 +1,1 @@
+"""ONNX Runtime's device path (device KV, per-shape buffers, on-device compaction, CUDA graphs): `runner`."""

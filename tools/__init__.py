@@ -1,0 +1,1 @@
+"""Tools around the runtime, not on its hot path: bench, peers, tune, report, roofline, validate, lossless."""
