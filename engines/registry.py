@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.engines.ort_cpu.runner import Decoder
+from specrt.engines.decoder import Decoder
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 

@@ -55,3 +55,12 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(keep, p, 0).astype(np.float32)
         p /= p.sum(-1, keepdims=True)
     return p.astype(np.float32)
+
+
+def top_desc(x: np.ndarray, r: int) -> np.ndarray:
+    """Indices of the r largest entries of a 1-D array, best first (O(V), not a full sort)."""
+    r = min(r, x.shape[-1])
+    if r == 1:
+        return np.array([int(x.argmax())])
+    top = np.argpartition(-x, r - 1)[:r]
+    return top[np.argsort(-x[top], kind="stable")]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specrt.engines.decoder import Decoder
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -28,33 +29,6 @@ def session_options(threads: int, spin: bool = True) -> ort.SessionOptions:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     return so
-
-
-class Decoder:
-    """What every backend's decoder offers on top of its `run_all` (ONNX Runtime here, TensorRT in
-    backend_trt.py)."""
-
-    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict:
-        raise NotImplementedError
-
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
-            tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One forward pass; returns (logits [B,R,V], hidden_states [B,T,H]). KV is updated in place."""
-        outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
-        return outs["logits"], outs["hidden_states"]
-
-    def select(self, start: int, stop: int) -> None:
-        """Make the next passes run over sequence slots start..stop-1 (a batch-1 decoder has slot 0 only)."""
-        self.check_slots(start, stop)
-
-    def check_slots(self, start: int, stop: int) -> None:
-        if not 0 <= start < stop <= self.batch:
-            raise SpecrtError(f"internal: slots {start}..{stop - 1} outside the cache's {self.batch}")
-
-    def check_rows(self, past_len: np.ndarray, window: int) -> None:
-        end = int(past_len.max()) + window
-        if end > self.capacity:
-            raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
 
 
 class OrtDecoder(Decoder):
@@ -127,12 +101,3 @@ class OrtDecoder(Decoder):
         b = slice(None) if slot is None else slice(slot, slot + 1)
         for buf in self.kv:
             buf[b, :, dst : dst + len(rows)] = buf[b, :, src]
-
-
-def top_desc(x: np.ndarray, r: int) -> np.ndarray:
-    """Indices of the r largest entries of a 1-D array, best first (O(V), not a full sort)."""
-    r = min(r, x.shape[-1])
-    if r == 1:
-        return np.array([int(x.argmax())])
-    top = np.argpartition(-x, r - 1)[:r]
-    return top[np.argsort(-x[top], kind="stable")]

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specrt.engines.ort_cpu.runner import Decoder, session_options
+from specrt.engines.decoder import Decoder
+from specrt.engines.ort_cpu.runner import session_options
 from specrt.errors import SpecrtError
 from specrt.plugins.onnx_builder import FLOAT, INT64, GraphBuilder
 from specrt.schema.config import DecoderConfig

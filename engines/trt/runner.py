@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.ort_cpu.runner import Decoder
+from specrt.engines.decoder import Decoder
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.engines.ort_cpu.runner import OrtDecoder, top_desc
+from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.drafters.features import common_prefix
-from specrt.runtime.sampling import SamplingParams, warp
+from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
 @register("draft")

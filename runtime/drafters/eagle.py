@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.engines.ort_cpu.runner import top_desc
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.drafters import DrafterContext, Proposal, register
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
-from specrt.runtime.sampling import SamplingParams, warp
+from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from specrt.engines.ort_cpu.runner import session_options, top_desc
+from specrt.engines.ort_cpu.runner import session_options
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
 from specrt.runtime.drafters.features import TargetState
-from specrt.runtime.sampling import SamplingParams, warp
+from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
 @register("medusa")

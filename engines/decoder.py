@@ -1,0 +1,41 @@
+"""The one protocol every backend's runner implements: a decoder graph with its KV cache bound in place.
+
+    run(input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> (logits, hidden_states)
+    run_all(...) -> {output name: array}      every output, for callers that need more (EAGLE-3's taps)
+    select(start, stop)                        which KV slots the next passes run over
+    copy_rows(src, dst, n) / capacity / batch  KV bookkeeping the step uses after acceptance
+
+A runner is built by `specrt.engines.registry.open_decoder`; the runtime sees only this class.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+
+
+class Decoder:
+    """What every runner offers on top of its own `run_all` (engines/ort_cpu, ort_device, trt)."""
+
+    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict:
+        raise NotImplementedError
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
+            tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One forward pass; returns (logits [B,R,V], hidden_states [B,T,H]). KV is updated in place."""
+        outs = self.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
+        return outs["logits"], outs["hidden_states"]
+
+    def select(self, start: int, stop: int) -> None:
+        """Make the next passes run over sequence slots start..stop-1 (a batch-1 decoder has slot 0 only)."""
+        self.check_slots(start, stop)
+
+    def check_slots(self, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= self.batch:
+            raise SpecrtError(f"internal: slots {start}..{stop - 1} outside the cache's {self.batch}")
+
+    def check_rows(self, past_len: np.ndarray, window: int) -> None:
+        end = int(past_len.max()) + window
+        if end > self.capacity:
+            raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
