@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specrt import __version__
 from specrt.errors import SpecrtError
-from specrt.export import quantize
+from specrt.export import drafters, quantize
 from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.drafter_export import export_drafter
 from specrt.export.loading import LoadedModel, load_model
@@ -151,7 +151,6 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str) -> d
 def resolve_drafters(requested) -> list[tuple[str, Path]]:
     """(kind, checkpoint folder) per requested drafter, checked before any weight is loaded: each from
     its given folder, or from where `specrt train KIND` saves it."""
-    from specrt.export import drafters
     from specrt.export.drafters import public
     from specrt.paths import drafter_dir
 
@@ -170,8 +169,6 @@ def resolve_drafters(requested) -> list[tuple[str, Path]]:
 
 
 def load_drafters(target: LoadedModel, folders: list[tuple[str, Path]]) -> dict:
-    from specrt.export import drafters
-
     return {kind: (drafters.load(folder, target.module), str(folder)) for kind, folder in folders}
 
 
@@ -187,8 +184,10 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
         learned = load_drafters(target, folders)
         draft_module, draft_source = None, ""
-        if "draft" in learned:  # the fine-tuned truncated draft replaces the plain copy
-            draft_module, draft_source = learned["draft"][0].lm, learned.pop("draft")[1]
+        roles = {k: drafters.kind_spec(k).bundle_role for k in learned}
+        role_kind = next((k for k, role in roles.items() if role == "draft"), None)
+        if role_kind:  # a kind that fills the draft role (the fine-tuned truncated draft) replaces the plain copy
+            draft_module, draft_source = learned[role_kind][0].lm, learned.pop(role_kind)[1]
         elif opts.draft_model is not None:
             draft = load_model(opts.draft_model, keep_hf=False)
             check_same_tokenizer(target, draft)
@@ -200,7 +199,8 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
 
         with atomic_dir(out) as tmp:
             steps.set_postfix_str("writing graphs")
-            taps = tuple(learned["eagle3"][0].cfg.taps) if "eagle3" in learned else ()
+            # target layers a drafter reads besides the last (EAGLE-3's taps): extra target outputs
+            taps = next((tuple(m.cfg.taps) for m, _ in learned.values() if getattr(m.cfg, "taps", None)), ())
             graphs = {"target": _save_graph(target.module, tmp / "target", "target", target.source, opts.progress,
                                             taps)}
             if draft_module is not None:

@@ -22,7 +22,9 @@ import torch
 
 from specrt.engines.ort_cpu.runner import OrtDecoder, session_options
 from specrt.errors import SpecrtError
+from specrt.export.drafters import kind_spec
 from specrt.export.drafters.graphs import feature_graph, fuse_graph, medusa_graph
+from specrt.kinds import resolve
 from specrt.plugins.onnx_builder import OPSET
 from specrt.schema.manifest import GraphEntry, sha256_file
 
@@ -74,45 +76,61 @@ def _session_parity(path: Path, feeds: dict, want: torch.Tensor) -> float:
     return float(np.abs(s.run(None, {k: v.numpy() for k, v in feeds.items()})[0] - want.detach().numpy()).max())
 
 
+def medusa_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """medusa/medusa.onnx and the static tree stored with it."""
+    graphs = {"medusa": _save(medusa_graph(module), tmp / "medusa" / "medusa.onnx", "medusa", target_cfg, source)}
+    parity = {}
+    if check_parity:
+        h = torch.randn(1, 2, target_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            parity["medusa"] = _session_parity(tmp / graphs["medusa"].file, {"hidden_in": h}, module(h))
+    return graphs, {"tree": medusa_tree(module.cfg.num_heads)}, parity
+
+
+def eagle_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """eagle/layer.onnx: the one decoder layer over (token, feature)."""
+    graphs = {"eagle": _save(feature_graph(module, "eagle"), tmp / "eagle" / "layer.onnx", "eagle", module.dec, source)}
+    return graphs, {}, {"eagle": feature_parity(module, tmp / graphs["eagle"].file)} if check_parity else {}
+
+
+def eagle3_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """eagle3/layer.onnx, eagle3/fuse.onnx (low/mid/high features -> one) and eagle3/vocab_ids.npy."""
+    folder = tmp / "eagle3"
+    graphs = {"eagle3": _save(feature_graph(module, "eagle3"), folder / "layer.onnx", "eagle3", module.dec, source),
+              "eagle3_fuse": _save(fuse_graph(module), folder / "fuse.onnx", "eagle3_fuse", target_cfg, source)}
+    np.save(folder / "vocab_ids.npy", module.target_ids().numpy().astype(np.int64))
+    parity = {}
+    if check_parity:
+        a = torch.randn(1, 3, module.fc.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            parity["eagle3_fuse"] = _session_parity(tmp / graphs["eagle3_fuse"].file, {"aux_hidden_states": a},
+                                                    module.fuse(a))
+        parity["eagle3"] = feature_parity(module, tmp / graphs["eagle3"].file)
+    return graphs, {"vocab_ids": "eagle3/vocab_ids.npy", "taps": list(module.cfg.taps)}, parity
+
+
+def mtp_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """mtp/module_{k}.onnx, one per MTP module."""
+    graphs, parity = {}, {}
+    for k, m in enumerate(module.mtp):
+        role = f"mtp.{k}"
+        graphs[role] = _save(feature_graph(m, role), tmp / "mtp" / f"module_{k}.onnx", role, m.dec, source)
+        if check_parity:
+            parity[role] = feature_parity(m, tmp / graphs[role].file)
+    return graphs, {}, parity
+
+
 def export_drafter(module, tmp: Path, target_cfg, source: str, check_parity: bool = True) -> tuple[dict, dict]:
-    """Write `module`'s graphs under tmp/<kind>/; returns (graph entries by role, manifest entry)."""
+    """Write `module`'s graphs under tmp/<kind>/ with its kind's graph writer (specrt/kinds/); returns
+    (graph entries by role, manifest entry)."""
     kind = module.cfg.kind
-    folder = tmp / kind
-    graphs: dict[str, GraphEntry] = {}
-    parity: dict[str, float] = {}
-    entry = {"kind": kind, "config": asdict(module.cfg), "source": source}
-    gen = torch.Generator().manual_seed(0)
-    if kind == "medusa":
-        graphs["medusa"] = _save(medusa_graph(module), folder / "medusa.onnx", "medusa", target_cfg, source)
-        entry["tree"] = medusa_tree(module.cfg.num_heads)
-        if check_parity:
-            h = torch.randn(1, 2, target_cfg.hidden_size, generator=gen)
-            with torch.no_grad():
-                parity["medusa"] = _session_parity(tmp / graphs["medusa"].file, {"hidden_in": h}, module(h))
-    elif kind in ("eagle", "eagle3"):
-        graphs[kind] = _save(feature_graph(module, kind), folder / "layer.onnx", kind, module.dec, source)
-        if kind == "eagle3":
-            graphs["eagle3_fuse"] = _save(fuse_graph(module), folder / "fuse.onnx", "eagle3_fuse", target_cfg, source)
-            np.save(folder / "vocab_ids.npy", module.target_ids().numpy().astype(np.int64))
-            entry.update(vocab_ids=f"{kind}/vocab_ids.npy", taps=list(module.cfg.taps))
-            if check_parity:
-                a = torch.randn(1, 3, module.fc.in_features, generator=gen)
-                with torch.no_grad():
-                    parity["eagle3_fuse"] = _session_parity(tmp / graphs["eagle3_fuse"].file,
-                                                            {"aux_hidden_states": a}, module.fuse(a))
-        if check_parity:
-            parity[kind] = feature_parity(module, tmp / graphs[kind].file)
-    elif kind == "mtp":
-        for k, m in enumerate(module.mtp):
-            role = f"mtp.{k}"
-            graphs[role] = _save(feature_graph(m, role), folder / f"module_{k}.onnx", role, m.dec, source)
-            if check_parity:
-                parity[role] = feature_parity(m, tmp / graphs[role].file)
-    else:
-        raise SpecrtError(f"drafter kind {kind!r} has no graph export (the draft model is exported as role 'draft')")
+    spec = kind_spec(kind)
+    if spec.graphs is None:
+        raise SpecrtError(f"drafter kind {kind!r} has no graph export (it is exported as role {spec.bundle_role!r})")
+    graphs, extra, parity = resolve(spec.graphs)(module, tmp, target_cfg, source, check_parity)
     for role, worst in parity.items():
         if worst > PARITY_TOLERANCE:
             raise SpecrtError(f"{role} graph parity failed: max |Δ| {worst:.2e} > {PARITY_TOLERANCE}; please report this")
-    entry.update(graphs=list(graphs), parity_max_abs=parity)
+    entry = {"kind": kind, "config": asdict(module.cfg), "source": source, **extra,
+             "graphs": list(graphs), "parity_max_abs": parity}
     return graphs, entry
-

@@ -27,6 +27,7 @@ function body, and `build_trt` also sets `OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE`
   standalone RejectionSample model can be built.
 """
 
+import dataclasses
 import functools
 
 from specrt.errors import SpecrtError
@@ -43,7 +44,19 @@ DEFAULT_MAX_WINDOW = 64  # drafted nodes + root; bigger trees need `specrt build
 TREE_ATTENTION = f"{PLUGIN_NAMESPACE}::TreeAttention"
 REJECTION_SAMPLE = f"{PLUGIN_NAMESPACE}::RejectionSample"
 
-_state: dict = {"registered": False, "max_window": 0}
+
+
+@dataclasses.dataclass
+class _Registration:
+    """TensorRT's plugin registry is one per process and refuses a second registration of a name, so
+    what this process registered is process state too: whether it did, and the widest window any
+    engine of this process asked for (the AOT kernel's BLOCK_W, read when an engine is built)."""
+
+    registered: bool = False
+    max_window: int = 0
+
+
+REGISTRATION = _Registration()
 
 
 def _require_plugin_api():
@@ -59,11 +72,11 @@ def _require_plugin_api():
 def register_plugins(max_window: int = DEFAULT_MAX_WINDOW) -> None:
     """Register both plugins with TensorRT (once per process); later calls may only raise max_window."""
     trt, trtp = _require_plugin_api()
-    _state["max_window"] = max(int(max_window), _state["max_window"])
-    if _state["registered"]:
+    REGISTRATION.max_window = max(int(max_window), REGISTRATION.max_window)
+    if REGISTRATION.registered:
         return
     _define(trt, trtp)
-    _state["registered"] = True
+    REGISTRATION.registered = True
 
 
 def _pow2(n: int) -> int:
@@ -144,7 +157,7 @@ def _define(trt, trtp) -> None:  # pragma: no cover - needs TensorRT
                    h * t * d, t * d, d]  # out
         dtypes = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
         compiled = compile_tree_attention(dtypes[q.dtype], {trt.int64: "i64", trt.int32: "i32"}[past_len.dtype],
-                                          head_dim, _state["max_window"])
+                                          head_dim, REGISTRATION.max_window)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = t  # one program per (window row, batch × head), as the Triton launcher
         launch.grid_y = b * h

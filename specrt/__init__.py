@@ -1,8 +1,9 @@
 """specrt: speculative decoding, exported to ONNX / TensorRT and served losslessly.
 
 The import namespace is `specrt`; its subpackages live in the repository's top-level folders:
-`specrt.export` (export/), `specrt.runtime` (runtime/), `specrt.plugins` (plugins/),
-`specrt.engines` (engines/). Only `specrt.export` imports torch.
+`specrt.schema` (specrt/schema/), `specrt.engines` (engines/, one folder per backend),
+`specrt.runtime` (runtime/), `specrt.export` (export/), `specrt.plugins` (plugins/),
+`specrt.tools` (tools/) and `specrt.cli` (specrt/cli/). Only `specrt.export` imports torch.
 """
 
 __version__ = "0.1.0"

@@ -57,17 +57,16 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir):
     return out
 
 
-TRAIN_EPOCHS = {"draft": 6, "medusa": 30, "eagle": 20, "eagle3": 20, "mtp": 20}
-
-
 @pytest.fixture(scope="session")
 def trained_drafters(real_model, tmp_path_factory):
     """Every learned drafter kind trained briefly (seconds each) on the real target's answers to a few
     prompts: ([(kind, checkpoint folder)], the prompt rows trained on, each kind's training metrics)."""
+    from specrt import kinds
     from specrt.export.drafters.eagle import default_taps
     from specrt.export.training.corpus import load_prompts
     from specrt.export.training.datagen import build_data
     from specrt.export.training.loop import TrainSettings, train
+    from specrt.kinds import learned_kinds
     from specrt.tools.validate import PROMPT
 
     tmp = tmp_path_factory.mktemp("trained")
@@ -75,9 +74,10 @@ def trained_drafters(real_model, tmp_path_factory):
     rows += load_prompts("heldout")[:1]
     data = build_data(real_model, rows, 40, tuple(default_taps(real_model.module.cfg.num_layers)), None, False)
     metrics, folders = {}, []
-    for kind, epochs in TRAIN_EPOCHS.items():
-        settings = TrainSettings(kind=kind, epochs=epochs, batch_seqs=2, evals=1, draft_vocab=2048,
-                                 options={"num_layers": 2} if kind == "draft" else {})
+    for kind in learned_kinds():
+        training = kinds.kind(kind).training
+        settings = TrainSettings(kind=kind, epochs=training.test_epochs, batch_seqs=2, evals=1, draft_vocab=2048,
+                                 options=dict(training.test_options))
         metrics[kind] = train(real_model.module, settings, tmp / kind, data, progress=False)
         folders.append((kind, tmp / kind))
     return folders, rows[:-1], metrics

@@ -10,7 +10,7 @@ import torch
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
-# One tiny config per supported family; tests/export/test_coverage.py fails if a family lacks one.
+# One tiny config per supported family; tests/export/test_modeling_parity.py fails if a family lacks one.
 FAMILY_OVERRIDES = {
     "llama": dict(attention_bias=False),
     "mistral": dict(sliding_window=None),

@@ -79,11 +79,11 @@ class Peer:
 ADAPTIVE = "+adaptive"  # `--drafters eagle3+adaptive`: that drafter with adaptive draft depth
 
 
-def engine_name(drafter: str, tree: str | None) -> str:
+def config_name(drafter: str, tree: str | None) -> str:
     return drafter if tree in (None, "chain") or drafter == "plain" else f"{drafter}@{tree}"
 
 
-def engine_spec(drafter: str) -> tuple[str, bool | None]:
+def config_spec(drafter: str) -> tuple[str, bool | None]:
     """(runtime drafter, adaptive) of a bench drafter name: "ngram+adaptive" -> ("ngram", True);
     None leaves the generator's setting."""
     if drafter.endswith(ADAPTIVE):
@@ -101,32 +101,32 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
     (ONNX Runtime's, OpenMP's in llama.cpp and torch) have gone to sleep and do not steal its cores."""
     peers = {n: p if isinstance(p, Peer) else Peer(p) for n, p in (peers or {}).items()}
     sampling = sampling or SamplingParams()
-    engines = {"plain": ("plain", None, None)}  # plain is the reference for every ratio
+    configs = {"plain": ("plain", None, None)}  # plain is the reference for every ratio
     for d in drafters:
         for t in trees:
-            engines.setdefault(engine_name(d, t), (*engine_spec(d), t))
+            configs.setdefault(config_name(d, t), (*config_spec(d), t))
     for name, peer in peers.items():
-        if name in engines:
-            raise SpecrtError(f"peer {name!r} has the name of a specrt engine")
-        if peer.reference is not None and peer.reference not in engines and peer.reference not in peers:
+        if name in configs:
+            raise SpecrtError(f"peer {name!r} has the name of a specrt configuration")
+        if peer.reference is not None and peer.reference not in configs and peer.reference not in peers:
             raise SpecrtError(f"peer {name!r} is checked against {peer.reference!r}, "
                               "which is not in this run")
-    for d, a, t in engines.values():
+    for d, a, t in configs.values():
         gen.use(d, t, a)
     encoded = {p.id: gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts}
     # warm-up: every engine once on the first prompt
     first = encoded[prompts[0].id]
-    for d, a, t in engines.values():
+    for d, a, t in configs.values():
         gen.use(d, t, a).generate_ids(first, min(16, max_new_tokens), sampling)
     for peer in peers.values():
         peer.run(first, min(16, max_new_tokens))
 
     rows, outputs = [], {}
-    total = repeats * len(prompts) * (len(engines) + len(peers))
+    total = repeats * len(prompts) * (len(configs) + len(peers))
     with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         for rep in range(repeats):
             for p in prompts:
-                for name, (d, a, t) in engines.items():
+                for name, (d, a, t) in configs.items():
                     time.sleep(cooldown)
                     res = gen.use(d, t, a).generate_ids(encoded[p.id], max_new_tokens, sampling)
                     st = res.stats
@@ -159,7 +159,7 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
         if r["peer"]:  # peers decode greedily whatever --temperature says
             specrt_plain = outputs[("plain", r["id"], r["repeat"])]
             r["same_as_specrt_plain"] = out == specrt_plain if sampling.greedy else None
-    return {"config": {"engines": list(engines), "peers": list(peers),
+    return {"config": {"configs": list(configs), "peers": list(peers),
                        "peer_settings": {n: {"reference": p.reference, **p.settings}
                                          for n, p in peers.items()},
                        "max_new_tokens": max_new_tokens,

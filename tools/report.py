@@ -1,6 +1,6 @@
 """`specrt bench --report DIR`: a profile and roofline report of one benchmark run.
 
-    report.md                   tables: engines, tokens/s by category, acceptance by draft depth,
+    report.md                   tables: configs, tokens/s by category, acceptance by draft depth,
                                 time per stage (ms per generated token), the roofline
     report.json                 the benchmark result, the derived profile and the roofline
     tokens_per_s.png            grouped bars: tokens/s by engine and prompt category
@@ -32,9 +32,9 @@ REPORT_FILES = ("report.md", "report.json", "tokens_per_s.png", "acceptance_by_p
 
 # ── the profile ───────────────────────────────────────────────────────────────────────────────
 def engines_in_order(result: dict) -> list[str]:
-    """specrt engines, then peers, then any other engine the rows name."""
+    """specrt configs, then peers, then any other engine the rows name."""
     cfg = result.get("config", {})
-    names = list(cfg.get("engines", [])) + list(cfg.get("peers", []))
+    names = list(cfg.get("configs", [])) + list(cfg.get("peers", []))
     for r in result.get("rows", []):
         if r["drafter"] not in names:
             names.append(r["drafter"])
@@ -180,7 +180,7 @@ def roofline_section(roofline: dict | None) -> str:
              _fmt(e["bound_tokens_per_s"], ".1f"), _fmt(e["measured_tokens_per_s"], ".1f"),
              _fmt(None if e["fraction_of_bound"] is None else 100 * e["fraction_of_bound"], ".1f"),
              _fmt(e["measured_gb_s"])]
-            for n, e in roofline.get("engines", {}).items()]
+            for n, e in roofline.get("configs", {}).items()]
     header = ["engine", "MB/step", "target weights", "target KV", "drafter", "tokens/step", "bound tok/s",
               "measured decode tok/s", "% of bound", "measured GB/s"]
     notes = ("\n\nbound = tokens/step × bandwidth ÷ bytes/step. tokens/step = decode tokens ÷ verify steps "

@@ -216,7 +216,7 @@ def decode_totals(rows: list[dict], prompt_tokens: dict[str, int] | None = None)
     return {"tokens": tokens, "seconds": seconds, "steps": steps, "mean_context": context}
 
 
-def engine_roofline(totals: dict, parts: dict, bandwidth_gb_s: float) -> dict:
+def config_roofline(totals: dict, parts: dict, bandwidth_gb_s: float) -> dict:
     """Bound, measured decode tokens/s, fraction of the bound and achieved GB/s of one engine."""
     tau = totals["tokens"] / totals["steps"]
     bound = bound_tokens_per_s(tau, bandwidth_gb_s, parts["total"])
@@ -231,24 +231,24 @@ def engine_roofline(totals: dict, parts: dict, bandwidth_gb_s: float) -> dict:
 
 # ── glue: a benchmark result and its generator ───────────────────────────────────────────────
 def split_engine(name: str) -> tuple[str, str | None]:
-    """`eagle3@wide` -> ("eagle3", "wide"); `eagle3+adaptive` -> ("eagle3", None) (bench's engine_name,
+    """`eagle3@wide` -> ("eagle3", "wide"); `eagle3+adaptive` -> ("eagle3", None) (bench's config_name,
     reversed)."""
-    from specrt.tools.bench import engine_spec
+    from specrt.tools.bench import config_spec
 
     drafter, _, tree = name.partition("@")
-    return engine_spec(drafter)[0], tree or None
+    return config_spec(drafter)[0], tree or None
 
 
 def drafter_roles(manifest, drafter: str) -> list[str]:
     """The manifest graph roles a runtime drafter runs."""
-    from specrt.runtime.drafters import LEARNED
+    from specrt.kinds import runtime_drafters
 
-    if drafter == "draft":
-        return ["draft"] if "draft" in manifest.graphs else []
-    for kind, names in LEARNED.items():
-        if drafter in names and kind in manifest.drafters:
-            return list(manifest.drafters[kind].get("graphs", []))
-    return []
+    spec = runtime_drafters().get(drafter)
+    if spec is None or not spec.learned:
+        return []
+    if spec.bundle_role:
+        return [spec.bundle_role] if spec.bundle_role in manifest.graphs else []
+    return list(manifest.drafters.get(spec.name, {}).get("graphs", []))
 
 
 def drafting_depth(gen, drafter: str, tree: str | None) -> int:
@@ -267,7 +267,7 @@ def drafting_depth(gen, drafter: str, tree: str | None) -> int:
 
 def build_roofline(result: dict, gen, bandwidth_gb_s: float,
                    prompt_tokens: dict[str, int] | None = None) -> dict:
-    """The roofline of every specrt engine of a `run_bench` result (peers: not modelled)."""
+    """The roofline of every specrt configuration of a `run_bench` result (peers: not modelled)."""
     target = graph_weights(gen.target.path)
     cache: dict[str, GraphWeights] = {}
 
@@ -276,8 +276,8 @@ def build_roofline(result: dict, gen, bandwidth_gb_s: float,
             cache[role] = graph_weights(gen.manifest.onnx_path(gen.bundle, role))
         return cache[role]
 
-    engines = {}
-    for name in result["config"]["engines"]:
+    configs = {}
+    for name in result["config"]["configs"]:
         totals = decode_totals([r for r in result["rows"] if r["drafter"] == name], prompt_tokens)
         if totals is None:
             continue
@@ -292,13 +292,13 @@ def build_roofline(result: dict, gen, bandwidth_gb_s: float,
             share = 1 - sum(r.get("plain_steps", 0) for r in rows) / steps
         passes = drafter_passes(graphs, depth, share)
         parts = step_bytes(target, totals["mean_context"], passes)
-        engines[name] = {**engine_roofline(totals, parts, bandwidth_gb_s),
+        configs[name] = {**config_roofline(totals, parts, bandwidth_gb_s),
                          "drafter_passes": {Path(g.path).name: round(p, 3) for g, p in passes}}
     return {"bandwidth_gb_s": round(bandwidth_gb_s, 2), "bandwidth_method": BANDWIDTH_METHOD,
             "target": target.to_dict(), "drafter_graphs": {k: g.to_dict() for k, g in cache.items()},
-            "peers": list(result["config"].get("peers", [])), "engines": engines,
+            "peers": list(result["config"].get("peers", [])), "configs": configs,
             "notes": "bytes per step = target weights + target KV × mean context + Σ drafter graph "
-                     "(weights + KV × context) × passes; see specrt/runtime/roofline.py"}
+                     "(weights + KV × context) × passes; see specrt.tools.roofline (tools/roofline.py)"}
 
 
 def prompt_token_counts(gen, prompts, raw: bool = False) -> dict[str, int]:

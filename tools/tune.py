@@ -56,10 +56,18 @@ def _dynamic(d: str) -> list[Candidate]:  # EAGLE-2 style: node budget per step
     return [Candidate(d, 5, tree_nodes=n) for n in (4, 6, 10)] + [Candidate(d, 5, tree_nodes=6, adaptive=True)]
 
 
-SEARCH: dict[str, Callable[[str], list[Candidate]]] = {
-    "ngram": _chain, "draft": _chain, "mtp": _chain, "eagle": _chain,
-    "medusa": _stored_tree, "eagle2": _dynamic, "eagle3": _dynamic,
-}
+# search spaces by name; each kind's spec (specrt/kinds/) says which one its runtime drafters use
+SPACES: dict[str, Callable[[str], list[Candidate]]] = {"chain": _chain, "stored_tree": _stored_tree,
+                                                       "dynamic": _dynamic}
+
+
+def search_space(drafter: str) -> Callable[[str], list[Candidate]]:
+    from specrt.kinds import runtime_drafters
+
+    spaces = {d: s.search[d] for d, s in runtime_drafters().items() if d in s.search}
+    if drafter not in spaces:
+        raise SpecrtError(f"tune does not know drafter {drafter!r}: choose from {', '.join(sorted(spaces))}")
+    return SPACES[spaces[drafter]]
 
 
 def candidates(drafters: Sequence[str]) -> list[Candidate]:
@@ -67,9 +75,7 @@ def candidates(drafters: Sequence[str]) -> list[Candidate]:
     for d in drafters:
         if d == "plain":
             continue
-        if d not in SEARCH:
-            raise SpecrtError(f"tune does not know drafter {d!r}: choose from {', '.join(sorted(SEARCH))}")
-        out += SEARCH[d](d)
+        out += search_space(d)(d)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Learned drafters: one registered spec per kind (module, config, checkpoint I/O, ONNX graphs).
+"""Learned drafters' checkpoints: config and weights I/O for every kind declared in specrt/kinds/.
 
 A drafter checkpoint is a folder: `config.json` ({"kind", "decoder": target dims, kind fields})
 and `model.safetensors` with the drafter's own weights. The target's embedding and LM head are
@@ -8,66 +8,43 @@ never stored: they are attached from the target when the checkpoint is loaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.export.drafters.draft import DraftConfig, TruncatedDraft
-from specrt.export.drafters.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
-from specrt.export.drafters.medusa import MedusaConfig, MedusaHeads
-from specrt.export.drafters.mtp import MtpConfig, MtpModules
 from specrt.export.modeling import DecoderLM
+from specrt.kinds import DrafterSpec, kind, learned_kinds, resolve
 from specrt.schema.config import DecoderConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-@dataclass(frozen=True)
-class DrafterKind:
-    name: str
-    config_cls: type
-    module_cls: Callable
-    shares_lm_head: Callable  # config -> bool: the target's LM head is attached
-    summary: str
-
-
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (
-    DrafterKind("draft", DraftConfig, TruncatedDraft, lambda c: True,
-                "the target's first N layers, fine-tuned (a vanilla draft model)"),
-    DrafterKind("medusa", MedusaConfig, MedusaHeads, lambda c: not c.own_heads,
-                "K residual heads on the last hidden state, static top-k tree"),
-    DrafterKind("eagle", EagleConfig, EagleHead, lambda c: True,
-                "one layer over (token, feature); EAGLE-1 static tree or EAGLE-2 dynamic tree"),
-    DrafterKind("eagle3", Eagle3Config, Eagle3Head, lambda c: False,
-                "fused low/mid/high target features, reduced draft vocabulary, dynamic tree"),
-    DrafterKind("mtp", MtpConfig, MtpModules, lambda c: True,
-                "DeepSeek-style MTP modules, cascaded or one reused"),
-)}
-
-
-def kind_spec(name: str) -> DrafterKind:
-    if name not in KINDS:
-        raise SpecrtError(f"unknown drafter kind {name!r}: choose one of {', '.join(KINDS)}")
-    return KINDS[name]
+def kind_spec(name: str) -> DrafterSpec:
+    """The spec of a learned kind (specrt/kinds/), or a clear error."""
+    spec = kind(name)
+    if not spec.learned:
+        raise SpecrtError(f"drafter {name!r} has no weights to train or export: choose one of "
+                          f"{', '.join(learned_kinds())}")
+    return spec
 
 
 def make_config(kind: str, **fields_) -> object:
-    spec = kind_spec(kind)
-    known = {f.name for f in fields(spec.config_cls)}
+    config_cls = resolve(kind_spec(kind).config)
+    known = {f.name for f in fields(config_cls)}
     bad = sorted(set(fields_) - known)
     if bad:
         raise SpecrtError(f"{kind} drafter has no setting {', '.join(bad)}: known {', '.join(sorted(known - {'kind'}))}")
-    return spec.config_cls(**fields_)
+    return config_cls(**fields_)
 
 
-def build(cfg, target: DecoderLM):
-    """A fresh drafter module for `target` with the target's shared weights attached."""
+def build(cfg, target: DecoderLM, dec: DecoderConfig | None = None):
+    """A fresh drafter module for `target` with the target's shared weights attached; `dec`: the drafter
+    layer's own settings where they differ from the target's (public checkpoints)."""
     spec = kind_spec(cfg.kind)
-    module = spec.module_cls(cfg, target.cfg)
+    module = resolve(spec.module)(cfg, target.cfg if dec is None else dec)
     head = target.lm_head.weight if spec.shares_lm_head(cfg) else None
     module.attach_target(target.model.embed_tokens.weight, head)
-    if hasattr(module, "init_from"):
+    if dec is None and hasattr(module, "init_from"):
         module.init_from(target)
     return module
 

@@ -108,3 +108,19 @@ class Eagle3Head(FeatureDrafter):
 
     def target_ids(self) -> torch.Tensor:
         return torch.arange(len(self.d2t)) + self.d2t
+
+
+def eagle3_options(options: dict, data, vocab: torch.Tensor) -> dict:
+    """EAGLE-3 reads the target layers the distillation data recorded, over the label vocabulary."""
+    return {**options, "taps": list(data.taps), "draft_vocab_size": len(vocab)}
+
+
+def eagle3_warm_start(module: Eagle3Head, target, vocab: torch.Tensor) -> None:
+    """The head starts from the target's rows of the draft vocabulary, the norm and MLP from the target's
+    last layer. (EAGLE-1's layer starts random: its output regresses the target's *normed* features, a
+    scale the last layer lacks.)"""
+    with torch.no_grad():
+        module.lm_head.weight.copy_(target.lm_head.weight[vocab])
+        module.d2t.copy_(vocab - torch.arange(len(vocab)))
+        module.norm.load_state_dict(target.model.norm.state_dict())
+    module.midlayer.mlp.load_state_dict(target.model.layers[-1].mlp.state_dict())

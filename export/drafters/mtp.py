@@ -81,3 +81,11 @@ class MtpModules(FrozenTargetWeights):
     def trainable_state(self):
         return {k: v for k, v in self.state_dict().items()
                 if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+
+
+def mtp_warm_start(module: MtpModules, target, vocab) -> None:
+    """Every MTP block starts as the target's last decoder layer (its output is normed before the head)."""
+    last = target.model.layers[-1].state_dict()
+    for m in module.mtp:
+        m.block.load_state_dict(last)
+        m.shared_head.norm.load_state_dict(target.model.norm.state_dict())

@@ -30,6 +30,7 @@ from specrt.errors import SpecrtError
 from specrt.export.drafters import build, check_target, kind_spec, load_state, make_config
 from specrt.export.drafters.eagle import default_taps
 from specrt.export.modeling import DecoderLM
+from specrt.kinds import resolve
 
 CONFIG = "config.json"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -173,7 +174,7 @@ def load_public(folder: Path, target: DecoderLM):
         wanted = MEDUSA_FILES if layout == "medusa" else MODEL_FILES
         raise SpecrtError(f"{folder} has a {layout} config.json but no weights ({' / '.join(wanted)}): "
                           "download the weight files too")
-    module = LOADERS[layout](folder, meta, weights, target)
+    module = resolve(kind_spec(layout).public_loader)(folder, meta, weights, target)
     return module.eval()
 
 
@@ -182,12 +183,7 @@ def load_public(folder: Path, target: DecoderLM):
 
 def _build(cfg, target: DecoderLM, dec=None):
     """`drafters.build`, with the drafter layer's own settings (`dec`) where they differ from the target's."""
-    if dec is None or dec == target.cfg:
-        return build(cfg, target)
-    spec = kind_spec(cfg.kind)
-    module = spec.module_cls(cfg, dec)
-    module.attach_target(target.model.embed_tokens.weight, target.lm_head.weight if spec.shares_lm_head(cfg) else None)
-    return module
+    return build(cfg, target, None if dec is None or dec == target.cfg else dec)
 
 
 def _layer_dec(target: DecoderLM, meta: dict, keys, prefix: str, source: Path):
@@ -246,7 +242,7 @@ def _ignored(key: str) -> bool:
 # ---------------------------------------------------------------------------------------------- layouts
 
 
-def _medusa(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
+def load_medusa(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     src = weights.path
     keys = [k for k in weights.keys() if not _ignored(k)]
     full_model = not src.name.startswith("medusa_lm_head")
@@ -270,7 +266,7 @@ def _medusa(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     return module
 
 
-def _eagle(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
+def load_eagle(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     _check_dims(meta, target, folder / CONFIG)
     keys = [k for k in weights.keys() if not _ignored(k) and k != "embed_tokens.weight"]
     fc_bias = "fc.bias" in keys or meta.get("bias") is True
@@ -280,7 +276,7 @@ def _eagle(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     return module
 
 
-def _eagle3(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
+def load_eagle3(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     src = weights.path
     _check_dims(meta, target, folder / CONFIG)
     keys = [k for k in weights.keys() if not _ignored(k) and k not in ("embed_tokens.weight", "t2d")]
@@ -308,7 +304,7 @@ def _eagle3(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     return module
 
 
-def _mtp(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
+def load_mtp(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     src = weights.path
     _check_dims(meta, target, folder / CONFIG)
     n, layers = int(meta["num_nextn_predict_layers"]), int(meta.get("num_hidden_layers", target.cfg.num_layers))
@@ -341,4 +337,3 @@ def _mtp(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
     return module
 
 
-LOADERS = {"medusa": _medusa, "eagle": _eagle, "eagle3": _eagle3, "mtp": _mtp}

@@ -25,11 +25,9 @@ from specrt.export import drafters
 from specrt.export.drafters.eagle import default_taps
 from specrt.export.loading import LoadedModel
 from specrt.export.training.datagen import DistillData, build_data
-from specrt.export.training.objectives import OBJECTIVES, Batch, chain_tau
+from specrt.export.training.objectives import Batch, chain_tau
 from specrt.export.training.report import plot_curves
-
-DEFAULT_EPOCHS = {"draft": 10.0, "medusa": 6.0, "eagle": 16.0, "eagle3": 12.0, "mtp": 12.0}  # ≤ ~15 min each here
-LEARNING_RATES = {"draft": 1e-4, "medusa": 1e-3, "eagle": 6e-4, "eagle3": 6e-4, "mtp": 6e-4}
+from specrt.kinds import resolve
 
 
 @dataclass
@@ -55,23 +53,6 @@ def label_vocabulary(data: DistillData, size: int) -> torch.Tensor:
     counts = torch.bincount(data.top_ids[:, 0], minlength=int(data.top_ids.max()) + 1).float()
     counts += 1e-3 * torch.bincount(data.top_ids.flatten(), minlength=len(counts))
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
-
-
-def _init(module, kind: str, target, vocab: torch.Tensor) -> None:
-    """Warm starts: MTP blocks copy the target's last decoder layer (their output is normed before the
-    head); EAGLE-3's head starts from the target's rows of its vocabulary. EAGLE's layer starts
-    random: its output regresses the target's *normed* features, a scale the last layer lacks."""
-    last = target.model.layers[-1].state_dict()
-    if kind == "mtp":
-        for m in module.mtp:
-            m.block.load_state_dict(last)
-            m.shared_head.norm.load_state_dict(target.model.norm.state_dict())
-    elif kind == "eagle3":
-        with torch.no_grad():
-            module.lm_head.weight.copy_(target.lm_head.weight[vocab])
-            module.d2t.copy_(vocab - torch.arange(len(vocab)))
-            module.norm.load_state_dict(target.model.norm.state_dict())
-        module.midlayer.mlp.load_state_dict(target.model.layers[-1].mlp.state_dict())
 
 
 def autocast_dtype() -> torch.dtype | None:
@@ -112,24 +93,22 @@ def train_from_prompts(loaded: LoadedModel, settings: TrainSettings, out: Path, 
 def train(target, settings: TrainSettings, out: Path, data: DistillData, progress: bool = True) -> dict:
     """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out`."""
     kind = settings.kind
-    if kind not in OBJECTIVES:
-        raise SpecrtError(f"unknown drafter kind {kind!r}: choose one of {', '.join(OBJECTIVES)}")
+    spec = drafters.kind_spec(kind).training
     torch.manual_seed(settings.seed)
-    options = dict(settings.options)
-    if kind == "eagle3":
-        options["taps"] = list(data.taps)
     vocab = label_vocabulary(data, settings.draft_vocab)
-    if kind == "eagle3":
-        options["draft_vocab_size"] = len(vocab)
+    options = dict(settings.options)
+    if spec.options_from_data:  # settings the data decides (EAGLE-3: its taps and draft vocabulary)
+        options = resolve(spec.options_from_data)(options, data, vocab)
     label_index = torch.full((target.cfg.vocab_size,), -1, dtype=torch.long)
     label_index[vocab] = torch.arange(len(vocab))
 
     module = drafters.build(drafters.make_config(kind, **options), target)
-    _init(module, kind, target, vocab)
+    if spec.warm_start:
+        resolve(spec.warm_start)(module, target, vocab)
     module.train()
-    objective = OBJECTIVES[kind](module, data, vocab, settings.steps)
+    objective = resolve(spec.objective)(module, data, vocab, settings.steps)
     params = [p for p in module.parameters() if p.requires_grad]
-    lr = settings.lr or LEARNING_RATES[kind]
+    lr = settings.lr or spec.lr
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     train_seqs = [i for i in range(len(data)) if not data.heldout[i]]

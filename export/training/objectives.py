@@ -1,4 +1,4 @@
-"""What each drafter kind learns from the cached target states (one registered objective per kind).
+"""What each drafter kind learns from the cached target states (each kind's spec names its objective).
 
 Notation: x[t] tokens, h[t] the target's last hidden state, p[t] its next-token distribution (soft
 labels: top-k, renormalized). Row r of a feature drafter reads x[r+1] and predicts x[r+2] ~ p[r+1].
@@ -21,22 +21,11 @@ only), and from those an estimate of τ for a chain.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from specrt.export.modeling import rope_cos_sin
 from specrt.export.training.datagen import DistillData
-
-OBJECTIVES: dict[str, Callable] = {}
-
-
-def register(kind: str):
-    def deco(cls):
-        OBJECTIVES[kind] = cls
-        return cls
-    return deco
 
 
 class Batch:
@@ -110,7 +99,6 @@ class Objective:
         raise NotImplementedError
 
 
-@register("draft")
 class DraftObjective(Objective):
     def __call__(self, batch):
         lm = self.m.lm
@@ -127,7 +115,6 @@ class DraftObjective(Objective):
         return loss, [top1_hits(logits, batch.label_top, batch.answer)]
 
 
-@register("medusa")
 class MedusaObjective(Objective):
     def __call__(self, batch):
         feats = self.m.features(batch.hidden)  # [B,T,K,H]
@@ -197,12 +184,10 @@ class FeatureObjective(Objective):
         return loss / self.steps, hits
 
 
-@register("eagle")
 class EagleObjective(FeatureObjective):
     regress = 1.0
 
 
-@register("eagle3")
 class Eagle3Objective(FeatureObjective):
     """Labels live in the draft vocabulary (the label vocabulary *is* the draft vocabulary here)."""
 
@@ -213,7 +198,6 @@ class Eagle3Objective(FeatureObjective):
         return mod.lm_head.weight
 
 
-@register("mtp")
 class MtpObjective(FeatureObjective):
     ttt = False
 

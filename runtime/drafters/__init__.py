@@ -11,14 +11,11 @@ stochastic drafts, the distribution each node was drawn from. A chain is the one
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from specrt.errors import SpecrtError
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tree import Tree
 
@@ -66,33 +63,29 @@ class DrafterContext:
     options: dict
 
 
-class Drafter(Protocol):
+class Drafter:
+    """The base of every runtime drafter (registered by its kind's spec in specrt/kinds/)."""
+
     name: str
+    needs_hidden = False  # True: `observe` needs the target's hidden states (learned feature drafters)
 
     def propose(self, tokens: list[int], max_nodes: int, max_depth: int, sampling: SamplingParams,
-                rng: np.random.Generator) -> Proposal: ...
+                rng: np.random.Generator) -> Proposal:
+        raise NotImplementedError
 
-    def observe(self, tokens: list[int], state=None) -> None: ...
-
-
-DRAFTERS: dict[str, Callable[[DrafterContext], Drafter]] = {}
-
-# learned drafter kinds (bundle manifest "drafters") -> the runtime drafters that use their graphs
-LEARNED: dict[str, tuple[str, ...]] = {"medusa": ("medusa",), "eagle": ("eagle", "eagle2"), "eagle3": ("eagle3",),
-                                       "mtp": ("mtp",)}
+    def observe(self, tokens: list[int], state=None) -> None:
+        """The committed sequence (and the target's states of all but its last token) after a step."""
 
 
-def register(name: str):
-    def deco(factory):
-        DRAFTERS[name] = factory
-        return factory
+def runtime_names(kind: str) -> tuple[str, ...]:
+    """The runtime drafters that use a learned kind's graphs (bundle manifest "drafters")."""
+    from specrt.kinds import kinds
 
-    return deco
+    spec = kinds().get(kind)
+    return tuple(spec.runtime) if spec else ()
 
 
 def make_drafter(name: str, ctx: DrafterContext) -> Drafter:
-    from specrt.runtime.drafters import draft_model, eagle, medusa, mtp, ngram, plain  # noqa: F401  (registration)
+    from specrt.kinds import kind_of, resolve
 
-    if name not in DRAFTERS:
-        raise SpecrtError(f"unknown drafter {name!r}: choose one of {', '.join(sorted(DRAFTERS))}")
-    return DRAFTERS[name](ctx)
+    return resolve(kind_of(name).runtime[name])(ctx)

@@ -17,14 +17,13 @@ import numpy as np
 
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
-from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import common_prefix
+from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
-@register("draft")
-class DraftModel:
+class DraftModel(Drafter):
     name = "draft"
 
     def __init__(self, ctx: DrafterContext):
@@ -47,7 +46,7 @@ class DraftModel:
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         shape = self.shape
-        keep = [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= max_depth]
+        keep = kept_nodes(shape, max_nodes, max_depth)
         if not keep:
             return Proposal()
         new = tokens[len(self.cached):]
@@ -56,28 +55,16 @@ class DraftModel:
         dist = {0: self._run(new, np.arange(past, past + t), past, np.tril(np.ones((t, t), bool)), [t - 1])[0]}
         self.cached.extend(new)
         base = len(tokens)  # node i's row: base + i - 1; its position: base - 1 + depth
-        window = {0: tokens[-1]}
-        q_rows: dict[int, np.ndarray] = {}
-        for d in range(1, int(shape.depth[keep].max()) + 1):
-            level = [i for i in keep if shape.depth[i] == d]
-            for p in sorted({shape.parents[i] for i in level}):
-                kids = [i for i in level if shape.parents[i] == p]
-                if sampling.greedy:
-                    best = top_desc(dist[p], len(kids))
-                    window.update(zip(kids, best.tolist(), strict=True))
-                else:
-                    q = warp(dist[p], sampling)
-                    for i in kids:
-                        window[i] = sample_from(q, float(rng.random()))
-                        q_rows[i] = q
-            deeper = [i for i in keep if shape.depth[i] == d + 1]
-            if deeper:
-                upto = [i for i in keep if shape.depth[i] <= d]
-                logits = self._run([window[i] for i in upto], base - 1 + shape.depth[upto], base,
-                                   shape.mask[np.ix_(upto, upto)], [upto.index(i) for i in level])
-                dist.update(zip(level, logits, strict=True))
-        q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
-        return Proposal([window[i] for i in keep], renumber(keep, shape.parents), q)
+
+        def evaluate(level: list[int], drafted: dict[int, int]) -> None:
+            """One pass over every kept node of depth <= level's: the logits of `level`."""
+            upto = [i for i in keep if shape.depth[i] <= shape.depth[level[0]]]
+            logits = self._run([drafted[i] for i in upto], base - 1 + shape.depth[upto], base,
+                               shape.mask[np.ix_(upto, upto)], [upto.index(i) for i in level])
+            dist.update(zip(level, logits, strict=True))
+
+        return expand_static(shape, keep, sampling, rng, ranked=lambda p, n: top_desc(dist[p], n),
+                             dist=lambda p: warp(dist[p], sampling), evaluate=evaluate)
 
     def observe(self, tokens: list[int], state=None) -> None:
         # keep the common prefix, but never the newest token: its pass gives the root distribution

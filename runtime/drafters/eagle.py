@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
+from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
@@ -56,7 +56,7 @@ class _Nodes:
         return sorted(out, key=lambda n: (self.depth[n], n))
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     name = "eagle"
     kind = "eagle"
     dynamic = False
@@ -64,17 +64,27 @@ class EagleDrafter:
     def __init__(self, ctx: DrafterContext):
         entry = ctx.manifest.drafter(self.kind, ctx.bundle)
         self.entry, self.shape = entry, ctx.tree
-        cfg = ctx.manifest.graphs[entry["graphs"][0]].config
-        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0]), cfg,
-                                  ctx.capacity + 64, ctx.threads)
         self.beam = int(ctx.options.get("beam") or DEFAULT_BEAM)
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
+        cfg = ctx.manifest.graphs[entry["graphs"][0]].config
+        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0]), cfg,
+                                  ctx.capacity + self.scratch_rows(), ctx.threads)
         self.vocab_ids = None  # draft id -> target id (EAGLE-3's reduced vocabulary)
         self.vocab_size = ctx.manifest.target.config.vocab_size
         self.state: TargetState | None = None
 
     needs_hidden = True
+
+    def scratch_rows(self) -> int:
+        """Feature-layer rows a step's drafted nodes may take after the committed ones (which end
+        before capacity - 1: a step proposes only with a KV row left). A pass covers the nodes it
+        computes and their ancestors: at most every static-tree node (EAGLE-1; EAGLE-2/3 when
+        sampling), or the `beam` nodes kept at each depth the dynamic tree expands (depth - 1 passes
+        of up to beam · d rows) — whatever `max_nodes` leaves of the tree, since the expansion ranks
+        all candidates before the best are kept."""
+        static = self.shape.size - 1
+        return max(static, self.beam * (self.depth - 1)) if self.dynamic else static
 
     def features(self, start: int, end: int) -> np.ndarray:
         return self.state.hidden[start:end]
@@ -104,16 +114,11 @@ class EagleDrafter:
         root_logits, out = self.layer.catch_up(tokens, self.features, m)
         nodes = _Nodes(root_logits, out[-1])
         depth = min(self.depth, max_depth)
-        if self.dynamic and sampling.greedy:
-            keep = self._dynamic(nodes, m, depth, min(self.tree_nodes, max_nodes))
-            q = None
-        else:
-            keep, q = self._static(nodes, m, depth, max_nodes, sampling, rng)
-        if not keep:
-            return Proposal()
+        if not (self.dynamic and sampling.greedy):
+            return self._static(nodes, m, depth, max_nodes, sampling, rng)
+        keep = self._dynamic(nodes, m, depth, min(self.tree_nodes, max_nodes))
         slot = {n: i + 1 for i, n in enumerate(keep)}
-        parents = [slot.get(nodes.parent[n], 0) for n in keep]
-        return Proposal([nodes.token[n] for n in keep], parents, q)
+        return Proposal([nodes.token[n] for n in keep], [slot.get(nodes.parent[n], 0) for n in keep])
 
     def _pass(self, nodes: _Nodes, m: int, todo: list[int]) -> None:
         """Compute features and logits of nodes `todo` (one pass over them and their ancestors)."""
@@ -131,30 +136,18 @@ class EagleDrafter:
             nodes.logits[n] = logits[j]
             nodes.feature[n] = out[index[n]]
 
-    def _static(self, nodes: _Nodes, m, depth, max_nodes, sampling, rng):
-        shape = self.shape
-        keep = [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= depth]
+    def _static(self, nodes: _Nodes, m, depth, max_nodes, sampling, rng) -> Proposal:
+        """The generator's static tree, expanded by the shared level walk over the layer's logits."""
         window = {0: 0}  # shape node -> drafted node
-        q_rows = {}
-        for d in range(1, int(shape.depth[keep].max(initial=0)) + 1):
-            level = [i for i in keep if shape.depth[i] == d]
-            for p in sorted({shape.parents[i] for i in level}):
-                kids = [i for i in level if shape.parents[i] == p]
-                logits = nodes.logits[window[p]]
-                if sampling.greedy:
-                    best = self._to_target(top_desc(logits, len(kids)))
-                    for i, tok in zip(kids, best.tolist(), strict=True):
-                        window[i] = nodes.add(tok, window[p])
-                else:
-                    q = self._dist(logits, sampling)
-                    for i in kids:
-                        window[i] = nodes.add(sample_from(q, float(rng.random())), window[p])
-                        q_rows[i] = q
-            if any(shape.depth[i] == d + 1 for i in keep):
-                self._pass(nodes, m, [window[i] for i in level])
-        order = [window[i] for i in keep]
-        q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
-        return order, q
+
+        def evaluate(level: list[int], drafted: dict[int, int]) -> None:
+            for i in level:
+                window[i] = nodes.add(drafted[i], window[self.shape.parents[i]])
+            self._pass(nodes, m, [window[i] for i in level])
+
+        return expand_static(self.shape, kept_nodes(self.shape, max_nodes, depth), sampling, rng,
+                             ranked=lambda p, n: self._to_target(top_desc(nodes.logits[window[p]], n)),
+                             dist=lambda p: self._dist(nodes.logits[window[p]], sampling), evaluate=evaluate)
 
     def _dynamic(self, nodes: _Nodes, m: int, depth: int, budget: int) -> list[int]:
         frontier = [0]
@@ -173,18 +166,15 @@ class EagleDrafter:
         return nodes.ancestors(best)[:budget]  # ancestors score higher (ties aside); cut the deepest
 
 
-@register("eagle")
 class Eagle1(EagleDrafter):
     pass
 
 
-@register("eagle2")
 class Eagle2(EagleDrafter):
     name = "eagle2"
     dynamic = True
 
 
-@register("eagle3")
 class Eagle3(EagleDrafter):
     name = "eagle3"
     kind = "eagle3"

@@ -5,18 +5,18 @@ Medusa's "choices". With sampling, each node is an i.i.d. draw from head d's war
 
 from __future__ import annotations
 
-import numpy as np
+from functools import cache
+
 import onnxruntime as ort
 
 from specrt.engines.ort_cpu.runner import session_options
-from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.drafters import DrafterContext, Proposal, register, renumber
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import TargetState
+from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
-@register("medusa")
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     name = "medusa"
     needs_hidden = True
 
@@ -34,23 +34,14 @@ class MedusaDrafter:
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         shape = self.shape
-        depth_limit = min(max_depth, self.heads)
-        keep = [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= depth_limit]
+        keep = kept_nodes(shape, max_nodes, min(max_depth, self.heads))
         if len(tokens) < 2 or not keep:
             return Proposal()
         hidden = self.state.hidden[len(tokens) - 2][None, None]
-        logits = self.session.run(None, {"hidden_in": hidden})[0][0, 0]  # [K, V]
-        out, q_rows = [], []
-        if sampling.greedy:
-            width = max(shape.ranks[i] for i in keep) + 1
-            top = np.stack([top_desc(head, width) for head in logits])
-            out = [int(top[shape.depth[i] - 1, shape.ranks[i]]) for i in keep]
-        else:
-            qs = {}
-            for i in keep:
-                d = int(shape.depth[i]) - 1
-                if d not in qs:
-                    qs[d] = warp(logits[d], sampling)
-                out.append(sample_from(qs[d], float(rng.random())))
-                q_rows.append(qs[d])
-        return Proposal(out, renumber(keep, shape.parents), np.stack(q_rows) if q_rows else None)
+        logits = self.session.run(None, {"hidden_in": hidden})[0][0, 0]  # [K, V]: head d drafts depth d+1
+        width = max(shape.ranks[i] for i in keep) + 1
+        # every parent at depth d shares head d's candidates: rank and warp each head once
+        top = cache(lambda d: top_desc(logits[d], width))
+        q = cache(lambda d: warp(logits[d], sampling))
+        return expand_static(shape, keep, sampling, rng, ranked=lambda p, n: top(int(shape.depth[p]))[:n],
+                             dist=lambda p: q(int(shape.depth[p])))

@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.plugins.rejection_sample import sample_from
-from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.sampling import SamplingParams, warp
 
 
-@register("mtp")
-class MtpDrafter:
+class MtpDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specrt.errors import SpecrtError
-from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 
 
 def _check(max_n: int, min_n: int) -> None:
@@ -70,8 +70,7 @@ def trie(paths: list[list[int]], max_nodes: int) -> Proposal:
     return prop
 
 
-@register("ngram")
-class NGram:
+class NGram(Drafter):
     name = "ngram"
 
     def __init__(self, ctx: DrafterContext | None = None):

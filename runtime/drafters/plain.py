@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from specrt.runtime.drafters import DrafterContext, Proposal, register
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 
 
-@register("plain")
-class Plain:
+class Plain(Drafter):
     name = "plain"
 
     def __init__(self, ctx: DrafterContext | None = None):

@@ -45,7 +45,7 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--peers", "peer_names", default="",
-              help="Other engines to run beside specrt on the same token ids, comma-separated: transformers "
+              help="Other configs to run beside specrt on the same token ids, comma-separated: transformers "
                    "(plain, prompt-lookup, assisted by the bundle's draft), llamacpp (plain, prompt-lookup, on "
                    "the source GGUF), or all. Needs pip install 'specrt[peers]'.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.options import echo_exactness
+from specrt.kinds import learned_kinds
 from specrt.paths import default_bundle
 
 
@@ -20,7 +21,7 @@ from specrt.paths import default_bundle
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None,
               help="Export this model (same tokenizer) as the draft instead of a truncated copy.")
 @click.option("--drafter", "drafter_kinds", multiple=True,
-              type=click.Choice(["draft", "medusa", "eagle", "eagle3", "mtp"]),
+              type=click.Choice(learned_kinds()),
               help="Add a learned drafter (repeatable). Its weights come from --drafter-weights, else from "
                    "`specrt train KIND`'s output ($SPECRT_HOME/drafters/KIND). 'draft' replaces the plain "
                    "truncated copy by the fine-tuned one.")

@@ -14,13 +14,14 @@ from specrt.cli.options import (
     sampling_options,
     sampling_params,
 )
+from specrt.kinds import runtime_drafters
 
 
 @click.command("generate")
 @bundle_argument
 @click.option("--prompt", required=True, help="The user prompt (chat-templated unless --raw).")
 @click.option("--drafter", default=None,
-              help="plain, ngram, draft, medusa, eagle, eagle2, eagle3 or mtp (learned drafters: export them with "
+              help=f"{', '.join(runtime_drafters())} (learned drafters: export them with "
                    "--drafter KIND). Default: the bundle's tuned choice (`specrt tune`), else plain.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")

@@ -108,12 +108,9 @@ def sampling_params(temperature, top_k, top_p, seed):
 
 def available_drafters(manifest) -> list[str]:
     """Every runtime drafter the bundle can run: plain, ngram, the draft model and learned drafters."""
-    from specrt.runtime.drafters import LEARNED
+    from specrt.kinds import kinds
 
-    names = ["plain", "ngram"] + (["draft"] if "draft" in manifest.graphs else [])
-    for kind in manifest.drafters:
-        names += list(LEARNED.get(kind, ()))
-    return names
+    return [name for spec in kinds().values() if spec.available_in(manifest) for name in spec.runtime]
 
 
 def echo_exactness(record: dict) -> None:

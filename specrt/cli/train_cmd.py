@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from specrt.kinds import learned_kinds
+
 
 def _target_source(target: Path | None) -> Path:
     """A model path from --target: a model folder / GGUF, or a bundle (its manifest names the source)."""
@@ -26,7 +28,7 @@ def _target_source(target: Path | None) -> Path:
 
 
 @click.command("train")
-@click.argument("kind", type=click.Choice(["draft", "medusa", "eagle", "eagle3", "mtp"]))
+@click.argument("kind", type=click.Choice(learned_kinds()))
 @click.option("--target", type=click.Path(path_type=Path), default=None,
               help="Target model folder / .gguf, or a bundle exported from one. Default: the embedded model.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
@@ -52,10 +54,11 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
             max_new_tokens, settings):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
+    from specrt import kinds
     from specrt.errors import SpecrtError
     from specrt.export.loading import load_model
     from specrt.export.training.corpus import load_prompts
-    from specrt.export.training.loop import DEFAULT_EPOCHS, TrainSettings, train_from_prompts
+    from specrt.export.training.loop import TrainSettings, train_from_prompts
     from specrt.paths import drafter_dir, train_cache_dir
 
     options = {}
@@ -75,7 +78,7 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
         rows = train_rows[: max_prompts - n_held] + held[:n_held]
     out = output or drafter_dir(kind)
     loaded = load_model(_target_source(target), keep_hf=False)
-    s = TrainSettings(kind=kind, epochs=epochs or DEFAULT_EPOCHS[kind], max_minutes=max_minutes,
+    s = TrainSettings(kind=kind, epochs=epochs or kinds.kind(kind).training.epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
                       options=options)
     metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)

@@ -66,12 +66,10 @@ class Manifest:
 
     def drafter_tree(self, runtime_name: str) -> list | None:
         """The static tree (list of paths) stored with a learned drafter, if any."""
-        from specrt.runtime.drafters import LEARNED
+        from specrt.kinds import runtime_drafters
 
-        for kind, names in LEARNED.items():
-            if runtime_name in names and kind in self.drafters:
-                return self.drafters[kind].get("tree")
-        return None
+        spec = runtime_drafters().get(runtime_name)
+        return self.drafters[spec.name].get("tree") if spec and spec.name in self.drafters else None
 
     def onnx_path(self, bundle: Path, role: str) -> Path:
         """The graph to load for `role` on ONNX Runtime: the `specrt build` artifact if there is one."""

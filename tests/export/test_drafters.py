@@ -9,13 +9,17 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from specrt import kinds
 from specrt.errors import SpecrtError
 from specrt.export import drafters
-from specrt.export.drafter_export import feature_parity
+from specrt.export.bundle import parity
+from specrt.export.decoder_graph import build_decoder_graph
+from specrt.export.drafter_export import export_drafter, feature_parity
 from specrt.export.drafters.graphs import feature_graph, fuse_graph, medusa_graph
 from specrt.export.loading import module_from_hf
 from specrt.export.modeling import rope_cos_sin
 from specrt.export.training.objectives import ttt_mask
+from specrt.kinds import learned_kinds
 from tests.helpers import tiny_hf_model
 
 FEATURE_KINDS = [("eagle", {}), ("eagle", {"input_norm": True, "fc_bias": False}),
@@ -40,6 +44,23 @@ def randomized(module, seed=0):
 
 def feature_modules(module):
     return list(module.mtp) if module.cfg.kind == "mtp" else [module]
+
+
+@pytest.mark.covers("export")
+@pytest.mark.parametrize("kind", learned_kinds())
+def test_every_kind_exports_graphs_that_match_pytorch(tmp_path, target, kind):
+    """Each kind's own graph writer (its spec), with its parity checks, on random weights."""
+    spec = kinds.kind(kind)
+    module = randomized(drafters.build(drafters.make_config(kind, **spec.example_config), target))
+    if spec.bundle_role:  # exported as a decoder role of the bundle (the draft model)
+        path = tmp_path / f"{kind}.onnx"
+        onnx.save(build_decoder_graph(module.lm, spec.bundle_role), path)
+        worst = parity(module.lm, path)
+    else:
+        graphs, entry = export_drafter(module, tmp_path, target.cfg, "test", check_parity=True)
+        assert set(entry["parity_max_abs"]) == set(graphs)  # every graph written was checked
+        worst = entry["parity_max_abs"]
+    assert worst and max(worst.values()) < 1e-4, worst
 
 
 @pytest.mark.parametrize("kind,fields", FEATURE_KINDS)

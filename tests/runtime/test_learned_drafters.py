@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specrt.export import drafters
-from specrt.export.bundle import ExportOptions, export_bundle
+from specrt.export.bundle import ExportOptions, export_bundle, truncated_draft
 from specrt.export.loading import load_model
 from specrt.export.modeling import rope_cos_sin
 from specrt.runtime.generate import Generator
@@ -71,6 +71,15 @@ def rows_from_scratch(module, ids: list[int], feats: torch.Tensor) -> tuple[torc
 def reference_chain(kind: str, module, target, tokens: list[int], steps: int) -> list[int]:
     """The greedy chain each kind drafts, recomputed from scratch in PyTorch."""
     m = len(tokens) - 1
+    if kind == "draft":  # greedy decoding with the draft model, one full pass per token
+        ids = list(tokens)
+        for _ in range(steps):
+            t = len(ids)
+            with torch.no_grad():
+                logits = module(torch.tensor([ids]), torch.arange(t)[None], torch.tensor([0]),
+                                torch.tril(torch.ones(t, t, dtype=torch.bool))[None], module.new_kv(1, t + 1))[0]
+            ids.append(int(logits[0, -1].argmax()))
+        return ids[len(tokens):]
     if kind == "medusa":
         hidden, _ = target_states(target, tokens[:-1])
         with torch.no_grad():
@@ -102,18 +111,21 @@ def reference_chain(kind: str, module, target, tokens: list[int], steps: int) ->
 
 def propose(gen: Generator, tokens: list[int], steps: int) -> list[int]:
     """Drive the runtime drafter as the generator does (prefill fills the target state), then propose."""
-    gen.forward(tokens[:-1], 0)
-    gen.state.write(np.arange(len(tokens) - 1), gen._outs, np.arange(len(tokens) - 1))
+    outs = gen.forward(tokens[:-1], 0)
+    gen.state.write(np.arange(len(tokens) - 1), outs, np.arange(len(tokens) - 1))
     gen.drafter.observe(tokens, gen.state)
     prop = gen.drafter.propose(tokens, 64, steps, SamplingParams(), np.random.default_rng(0))
     assert prop.parents == list(range(len(prop))), "a chain was asked for"
     return prop.tokens
 
 
-@pytest.mark.parametrize("kind,runtime", [("medusa", "medusa"), ("eagle", "eagle"), ("eagle3", "eagle3"),
-                                          ("mtp", "mtp")])
+@pytest.mark.covers("proposal")
+@pytest.mark.parametrize("kind,runtime", [("draft", "draft"), ("medusa", "medusa"), ("eagle", "eagle"),
+                                          ("eagle3", "eagle3"), ("mtp", "mtp")])
 def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, runtime):
     bundle, target, modules = learned
+    if kind == "draft":  # the bundle's draft model: the target's first layer (draft_layers=1)
+        modules = {"draft": truncated_draft(target.module, 1)}
     gen = Generator(bundle, runtime, num_draft_tokens=3, max_seq_len=128, tree="chain", tree_nodes=3, beam=1)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 49152, 12).tolist()

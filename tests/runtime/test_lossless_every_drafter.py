@@ -16,6 +16,7 @@ from importlib import resources
 
 import pytest
 
+from specrt.kinds import kinds, runtime_drafters
 from specrt.runtime.generate import Generator
 from specrt.runtime.serving.scheduler import Scheduler
 
@@ -25,12 +26,13 @@ PROMPTS = [json.loads(line)["prompt"] for line in
            (resources.files("specrt") / "data" / "bench_prompts.jsonl").read_text().splitlines()]
 NEW_TOKENS = 64
 # (drafter, tree): None is the drafter's default shape (chain; Medusa: its stored tree; EAGLE-2/3: dynamic)
-INT4 = [("ngram", None), ("ngram", "default"), ("draft", None), ("draft", "default"), ("medusa", None),
-        ("medusa", "chain"), ("eagle", None), ("eagle", "default"), ("eagle2", None), ("eagle3", None),
-        ("mtp", None)]
+# every runtime drafter of the registry in its default shape, plus the other shapes users pick
+OTHER_SHAPES = [("ngram", "default"), ("draft", "default"), ("medusa", "chain"), ("eagle", "default")]
+INT4 = [(d, None) for d in runtime_drafters() if d != "plain"] + OTHER_SHAPES
 FP32 = [("ngram", None), ("ngram", "default"), ("eagle3", None)]
 CASES = [("int4", d, t) for d, t in INT4] + [("fp32", d, t) for d, t in FP32]
-SERVED = [("int4", "plain"), ("int4", "ngram"), ("int4", "eagle3"), ("int4", "medusa"), ("fp32", "ngram")]
+# every kind served (its first runtime drafter), on the default int4 bundle; ngram on fp32 too
+SERVED = [("int4", next(iter(spec.runtime))) for spec in kinds().values()] + [("fp32", "ngram")]
 BUNDLES = ["int4", "fp32"]
 
 
@@ -63,6 +65,7 @@ def test_export_measured_an_exact_mode_here(bundles, bundle):
     assert_exact_mode_recorded(Manifest.load(bundles[bundle]))
 
 
+@pytest.mark.covers("lossless")
 @pytest.mark.parametrize("bundle,drafter,tree", CASES, ids=[f"{b}-{d}-{t or 'own'}" for b, d, t in CASES])
 def test_speculative_greedy_equals_plain(reference, bundle, drafter, tree):
     gen, ids, plain = reference[bundle]
@@ -81,6 +84,7 @@ def test_speculative_greedy_equals_plain(reference, bundle, drafter, tree):
     assert drafted > 0
 
 
+@pytest.mark.covers("serving")
 @pytest.mark.parametrize("bundle,drafter", SERVED, ids=[f"{b}-{d}" for b, d in SERVED])
 def test_batched_serving_equals_plain(reference, bundles, bundle, drafter):
     """16 requests through 4 KV slots: ragged verify passes shared by sequences at different lengths."""
@@ -95,3 +99,5 @@ def test_batched_serving_equals_plain(reference, bundles, bundle, drafter):
     for i, (res, want) in enumerate(zip(results, plain, strict=True)):
         assert res.token_ids == want, f"served {drafter} on {bundle}, request {i}"
     assert max(scheduler.batch_sizes) > 1
+    if drafter != "plain":  # the shared passes verified drafts: not plain served against plain
+        assert sum(r.stats.drafted for r in results) > 0

@@ -7,6 +7,8 @@ import pytest
 from specrt.errors import SpecrtError
 from specrt.runtime.drafters.ngram import lookup
 
+pytestmark = pytest.mark.covers("proposal", kinds=("ngram",))
+
 
 def test_longest_suffix_wins_over_shorter():
     # suffix [2, 3] occurs at 1 (followed by 9) ; suffix [3] alone occurs later at 6 (followed by 7)

@@ -119,7 +119,7 @@ def synthetic_result() -> dict:
                "llamacpp-plain": {"tokens_per_s_median": 22.5, "speedup_vs_plain": 3.0,
                                   "mean_accepted_len": None, "acceptance_by_position": [],
                                   "identical": "reference"}}
-    return {"config": {"engines": ["plain", "eagle3"], "peers": ["llamacpp-plain"], "max_new_tokens": 10},
+    return {"config": {"configs": ["plain", "eagle3"], "peers": ["llamacpp-plain"], "max_new_tokens": 10},
             "rows": rows, "summary": summary, "by_category": {}}
 
 
@@ -148,7 +148,7 @@ def _roofline() -> dict:
             "target": {"path": "t.onnx", "streamed_bytes": 500_000_000, "gathered": {}, "unused": {},
                        "kv_bytes_per_token": 46080},
             "drafter_graphs": {"eagle3": {"gathered": {"embed_tokens.weight": 113_246_208}}},
-            "peers": ["llamacpp-plain"], "engines": {"eagle3": eng}}
+            "peers": ["llamacpp-plain"], "configs": {"eagle3": eng}}
 
 
 def _leftovers(parent: Path, out: Path) -> list[str]:
@@ -166,10 +166,10 @@ def test_write_report_writes_markdown_json_and_plots(tmp_path):
     assert "34.1" in md and "10.00 GB/s" in md and "embed_tokens.weight" in md  # % of bound, bandwidth
     assert "× llamacpp-plain" in md  # speedup against the peer, from `speedup_vs`
     data = json.loads((out / "report.json").read_text())
-    assert data["result"]["config"]["engines"] == ["plain", "eagle3"]
+    assert data["result"]["config"]["configs"] == ["plain", "eagle3"]
     assert data["profile"]["stage_ms_per_token"]["eagle3"]["python_overhead"] == pytest.approx(7.5)
     assert data["profile"]["tokens_per_s_by_category"]["eagle3"] == {"code": 20.0, "chat": 12.5}
-    assert data["roofline"]["engines"]["eagle3"]["fraction_of_bound"] == 0.341
+    assert data["roofline"]["configs"]["eagle3"]["fraction_of_bound"] == 0.341
     assert _leftovers(tmp_path, out) == []
     assert sorted(p.name for p in out.iterdir()) == sorted(report_mod.REPORT_FILES)
 
@@ -225,7 +225,7 @@ def test_bench_report_command_writes_the_report(small_bundle, tmp_path):
     assert roof["target"]["streamed_bytes"] == graph_weight_bytes(manifest.onnx_path(small_bundle, "target"))
     # the untied embedding is only gathered: listed, not streamed
     assert list(roof["target"]["gathered"].values()) == [cfg.vocab_size * cfg.hidden_size * 4]
-    eng = roof["engines"]
+    eng = roof["configs"]
     assert set(eng) == {"plain", "ngram", "draft"}
     assert eng["plain"]["parts"]["drafter_weights"] == eng["ngram"]["parts"]["drafter_weights"] == 0
     draft = graph_weight_bytes(manifest.onnx_path(small_bundle, "draft"))

@@ -1,4 +1,4 @@
-"""Bench engine specs: NAME+adaptive engines and the --baseline bundle peer."""
+"""Bench engine specs: NAME+adaptive configs and the --baseline bundle peer."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator
-from specrt.tools.bench import Prompt, engine_spec, run_bench
+from specrt.tools.bench import Prompt, config_spec, run_bench
 from specrt.tools.peers import baseline_peer
 
 PROMPTS = [Prompt("a", "code", "a b c a b c a b c a b"), Prompt("b", "chat", "one two one two one two")]
 
 
 def test_engine_spec():
-    assert engine_spec("ngram") == ("ngram", None)
-    assert engine_spec("eagle3+adaptive") == ("eagle3", True)
+    assert config_spec("ngram") == ("ngram", None)
+    assert config_spec("eagle3+adaptive") == ("eagle3", True)
 
 
 def test_adaptive_engine_runs_beside_the_fixed_one(tiny_bundle):

@@ -1,0 +1,104 @@
+"""Drafter kinds, each declared once: one module per kind in this package holds its `SPEC`.
+
+A spec says everything the rest of specrt needs to know about a kind, so nothing else lists kinds:
+
+    runtime drafters   the names `generate --drafter` accepts and the class that runs each
+    tune search        which search space `specrt tune` tries for each runtime drafter
+    checkpoint         config and module classes, whether the target's LM head is shared
+    export             the graph writer (or the bundle role the kind fills), the public-checkpoint loader
+    training           objective, warm start, extra options from the data, default epochs and rate
+
+Code is named by reference ("package.module:attribute") and imported only when used, so this
+package imports neither torch nor onnxruntime: the runtime resolves only runtime references, the
+exporter the torch ones. Adding a kind is adding a module here (and the code it names) plus tests;
+`tests/test_kind_coverage.py` fails until the kind has each kind of test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+
+from specrt.errors import SpecrtError
+
+
+def resolve(ref: str):
+    """The object a "package.module:attribute" reference names."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Training:
+    """How `specrt train KIND` fits the kind to a target (every reference is torch code in export/)."""
+
+    objective: str  # the training objective class (export/training/objectives.py or the kind's module)
+    epochs: float  # default passes over the distillation data (≤ ~15 min on 2 CPU cores)
+    lr: float
+    test_epochs: int  # the brief training the test suite's fixtures give the kind
+    warm_start: str | None = None  # (module, target, label vocab) -> None: initial weights from the target
+    options_from_data: str | None = None  # (options, data, label vocab) -> options the data decides
+    test_options: dict = field(default_factory=dict)  # config fields for the test suite's brief training
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str  # the kind: manifest "drafters" key, checkpoint config "kind", `specrt train` argument
+    summary: str  # one line for --help and docs
+    order: int  # where it is listed
+    runtime: dict[str, str]  # runtime drafter name -> its class (runtime/drafters/)
+    search: dict[str, str] = field(default_factory=dict)  # runtime drafter -> tools/tune.py search space
+    available: str = "drafter"  # when a bundle can run it: "always", "drafter" (exported), "graph:ROLE"
+    config: str | None = None  # checkpoint config dataclass
+    module: str | None = None  # the torch module
+    shares_lm_head: Callable[[object], bool] = lambda cfg: True  # config -> the target's LM head is attached
+    graphs: str | None = None  # (module, folder, target cfg, source, check_parity) -> (graphs, entry, parity)
+    bundle_role: str | None = None  # exported as this role of the bundle instead of as a drafter ("draft")
+    public_loader: str | None = None  # (folder, meta, weights, target) -> module, for public checkpoints
+    training: Training | None = None
+    example_config: dict = field(default_factory=dict)  # a small valid config on a 2-layer target (tests)
+
+    @property
+    def learned(self) -> bool:
+        """Has weights of its own: a checkpoint, training, an export step."""
+        return self.module is not None
+
+    def available_in(self, manifest) -> bool:
+        if self.available == "always":
+            return True
+        if self.available.startswith("graph:"):
+            return self.available[len("graph:"):] in manifest.graphs
+        return self.name in manifest.drafters
+
+
+@cache
+def kinds() -> dict[str, DrafterSpec]:
+    """Every kind, in listing order (the modules of this package, each with a `SPEC`)."""
+    specs = [importlib.import_module(f"{__name__}.{m.name}").SPEC for m in pkgutil.iter_modules(__path__)]
+    return {s.name: s for s in sorted(specs, key=lambda s: (s.order, s.name))}
+
+
+def kind(name: str) -> DrafterSpec:
+    if name not in kinds():
+        raise SpecrtError(f"unknown drafter kind {name!r}: choose one of {', '.join(learned_kinds())}")
+    return kinds()[name]
+
+
+def learned_kinds() -> list[str]:
+    """Kinds with weights: what `specrt train` and `specrt export --drafter` take."""
+    return [n for n, s in kinds().items() if s.learned]
+
+
+def runtime_drafters() -> dict[str, DrafterSpec]:
+    """Runtime drafter name -> the kind that provides it."""
+    return {name: s for s in kinds().values() for name in s.runtime}
+
+
+def kind_of(drafter: str) -> DrafterSpec:
+    table = runtime_drafters()
+    if drafter not in table:
+        raise SpecrtError(f"unknown drafter {drafter!r}: choose one of {', '.join(table)}")
+    return table[drafter]

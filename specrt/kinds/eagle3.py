@@ -1,0 +1,16 @@
+"""eagle3: fused low/mid/high target features, a reduced draft vocabulary, a dynamic tree."""
+
+from specrt.kinds import DrafterSpec, Training
+
+SPEC = DrafterSpec(
+    name="eagle3", order=5, summary="fused low/mid/high target features, reduced draft vocabulary, dynamic tree",
+    runtime={"eagle3": "specrt.runtime.drafters.eagle:Eagle3"}, search={"eagle3": "dynamic"},
+    config="specrt.export.drafters.eagle:Eagle3Config", module="specrt.export.drafters.eagle:Eagle3Head",
+    shares_lm_head=lambda cfg: False,
+    graphs="specrt.export.drafter_export:eagle3_graphs",
+    public_loader="specrt.export.drafters.public:load_eagle3",
+    training=Training(objective="specrt.export.training.objectives:Eagle3Objective", epochs=12.0, lr=6e-4,
+                      test_epochs=20, warm_start="specrt.export.drafters.eagle:eagle3_warm_start",
+                      options_from_data="specrt.export.drafters.eagle:eagle3_options"),
+    example_config={"taps": [0, 1], "draft_vocab_size": 40},
+)
