@@ -3,7 +3,10 @@
     run(input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> (logits, hidden_states)
     run_all(...) -> {output name: array}      every output, for callers that need more (EAGLE-3's taps)
     select(start, stop)                        which KV slots the next passes run over
-    copy_rows(src, dst, n) / capacity / batch  KV bookkeeping the step uses after acceptance
+    output_shape(name) -> shape | None         a non-KV output's static shape, as the graph/engine declares it
+    output_width(name) -> int | None           its last axis when static (EAGLE-3's aux_hidden_states: n·H)
+    compact(dst, rows, slot)                   accepted tree nodes' KV rows moved next to the prefix
+    capacity / batch                           KV rows per sequence / sequences in the cache
 
 A runner is built by `specrt.engines.registry.open_decoder`; the runtime sees only this class.
 """
@@ -20,6 +23,18 @@ class Decoder:
 
     def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict:
         raise NotImplementedError
+
+    def output_shape(self, name: str) -> tuple | None:
+        """The declared shape of non-KV output `name` (dynamic axes: a name, None or -1, as the backend
+        writes them); None when the graph has no such output."""
+        raise NotImplementedError
+
+    def output_width(self, name: str) -> int | None:
+        """The static size of output `name`'s last axis; None when there is no such output or that
+        axis is dynamic. How the runtime sizes buffers for optional outputs (aux_hidden_states)."""
+        shape = self.output_shape(name)
+        last = shape[-1] if shape else None
+        return int(last) if isinstance(last, (int, np.integer)) and last >= 0 else None
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
             tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

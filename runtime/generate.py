@@ -1,20 +1,18 @@
-"""The speculative step loop: propose → verify → accept → commit, each stage timed.
+"""Speculative generation over a bundle: the target with its KV cache, the drafters, the loop.
 
-    propose  the drafter drafts a tree after the last committed token x (a chain is one path)
-    verify   one target pass over [x, drafts...] with the tree mask: logits at every node
-    accept   an acceptance rule walks the tree: greedy (argmax) or rejection sampling (lossless),
-             or typical acceptance (lossy, opt-in); it returns the accepted nodes and the next token
-    commit   append them; move the accepted nodes' KV rows next to the prefix (trees only) and roll
-             back the rest by moving past_len; tell the drafter what was committed
+`Generator.stream` drives one `Sequence` with batch-1 target passes (`run_pass`):
 
-Greedy: every committed token is the target's argmax given the committed prefix, so the output
-equals plain greedy decoding ("plain" proposes nothing: one token per pass). Sampling: rejection
-sampling makes every committed token a draw from the target's (warped) distribution.
+    seq.prefill(run_pass)                           the prompt; the first token
+    while (new := seq.step(run_pass)) is not None:  propose → verify → accept → commit, each timed
+        yield new
+
+The step itself, with its maths (greedy walk, rejection sampling, KV compaction and rollback), is
+on one page in runtime/sequence.py. Greedy output equals plain greedy decoding ("plain" proposes
+nothing: one token per pass); sampled output follows the target's (warped) distribution.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,13 +77,18 @@ class Generator:
         self.target = shaped(target, mode)
         self.threads = threads
         self.state = self.new_state()
-        self.configure(num_draft_tokens, tree, adaptive, **drafter_options)
+        self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)  # then a drafter to use
         self.use(drafter)
 
     def configure(self, num_draft_tokens: int = 5, tree: str | None = None, adaptive: bool = False,
                   **drafter_options) -> Generator:
-        """Set the speculation settings every drafter shares (drafters are rebuilt on next use); the
-        target session and its KV buffers stay."""
+        """Change the speculation settings every drafter shares: the current drafter is rebuilt with them
+        now, the others on their next use; the target session and its KV buffers stay."""
+        self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)
+        return self.use(self.drafter_name)
+
+    def _set_speculation(self, num_draft_tokens: int, tree: str | None, adaptive: bool, drafter_options: dict) -> None:
+        """The settings every drafter shares; forgets the drafters and controllers built with other ones."""
         self.k = int(num_draft_tokens)
         self.tree = resolve_tree(tree, self.k)
         self.tree_given = tree is not None
@@ -93,16 +96,13 @@ class Generator:
         self.drafter_options = drafter_options
         self._drafters: dict = {}
         self._controls: dict = {}
-        if hasattr(self, "drafter_name"):
-            self.use(self.drafter_name)
-        return self
 
     def new_state(self) -> TargetState:
-        """Room for one sequence's target hidden states (learned drafters read them)."""
+        """Room for one sequence's target hidden states (learned drafters read them), with the tapped
+        layers' too when the target graph outputs them (EAGLE-3: aux_hidden_states [B, T, n·H])."""
         cfg = self.manifest.target.config
-        session = getattr(self.target, "session", None)  # ONNX Runtime backends
-        aux = [o for o in (session.get_outputs() if session else []) if o.name == "aux_hidden_states"]
-        return TargetState.allocate(self.capacity + 1, cfg.hidden_size, aux[0].shape[-1] if aux else None)
+        aux = self.target.output_width("aux_hidden_states")  # the Decoder protocol: any backend
+        return TargetState.allocate(self.capacity + 1, cfg.hidden_size, aux)
 
     def new_drafter(self, drafter: str, tree: str | None = None):
         """A fresh drafter instance (its own caches) with this generator's settings; (drafter, tree shape)."""
@@ -127,7 +127,13 @@ class Generator:
         if key not in self._drafters:
             self._drafters[key] = self.new_drafter(drafter, tree)
         self.drafter_name, (self.drafter, self.drafter_tree) = drafter, self._drafters[key]
+        self._drafter_key = key
         return self
+
+    def fresh_drafter(self):
+        """Another instance of the current drafter, configured exactly like it (name, tree, options) but
+        with its own caches: the serving engine gives one to each further KV slot."""
+        return self.new_drafter(*self._drafter_key)[0]
 
     def _controller(self) -> AdaptiveDepth:
         """The adaptive-depth controller of the current drafter, kept across generations: the costs it
@@ -175,14 +181,9 @@ class Generator:
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield committed tokens chunk by chunk; the final `Result` is the generator's return value."""
         seq = self.sequence(prompt_ids, max_new_tokens, sampling)
-        p = seq.prefill_pass()
-        t0 = time.perf_counter()
-        logits = self.forward(p.window, p.past, p.tree, p.rows)
-        yield seq.prefilled(logits, self._outs, time.perf_counter() - t0)
-        while (p := seq.plan()) is not None:
-            t0 = time.perf_counter()
-            logits = self.forward(p.window, p.past, p.tree)
-            yield seq.commit(p, logits, self._outs, time.perf_counter() - t0)
+        yield seq.prefill(self.run_pass)
+        while (new := seq.step(self.run_pass)) is not None:
+            yield new
         return seq.result()
 
     def iter_text(self, prompt: str, max_new_tokens: int = 128, raw: bool = False,
@@ -191,14 +192,19 @@ class Generator:
         `.result` holds the full `Result` (text, token ids, finish reason, stats)."""
         return TextStream(self, self.tokenizer.encode_prompt(prompt, raw), max_new_tokens, sampling)
 
-    def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> np.ndarray:
-        """One target pass over `window` (a chain unless `tree`) written at KV rows past..;
-        returns logits [R, V] for window `rows` (default: all)."""
+    def run_pass(self, p: Pass) -> dict[str, np.ndarray]:
+        """One batch-1 target pass over `p` in KV slot 0: every output, batch axis kept (logits
+        [1, R, V] for `p.rows`, hidden_states [1, T, H], aux_hidden_states when the graph has them)."""
+        self.target.select(0, 1)
+        return self.target.run_all(*pack_windows([p]))
+
+    def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> dict[str, np.ndarray]:
+        """One target pass over `window` (a chain unless `tree`) written at KV rows past..; every output
+        as `run_pass` gives them: `forward(...)["logits"][0]` is logits [R, V] for window `rows`
+        (default: all)."""
         tree = tree or Tree.chain(len(window) - 1)
         rows = np.arange(tree.size) if rows is None else np.asarray(rows, np.int64)
-        self.target.select(0, 1)
-        self._outs = self.target.run_all(*pack_windows([Pass(np.asarray(window, np.int64), past, tree, rows)]))
-        return self._outs["logits"][0]
+        return self.run_pass(Pass(np.asarray(window, np.int64), past, tree, rows))
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
                      sampling: SamplingParams | None = None) -> Result:

@@ -1,13 +1,15 @@
 """One request's speculative decoding, as steps an outer loop drives: the loop owns the target passes.
 
     seq = Sequence(...)
-    seq.prefilled(logits, outs)             after the prefill pass over seq.prefill_pass()
-    while (p := seq.plan()) is not None:    propose: the verify window of this step
-        seq.commit(p, logits, outs)         accept + commit after the verify pass over p
+    seq.prefill(run)                        the prompt's pass; the first token
+    while (new := seq.step(run)) is not None:
+        ...                                 propose → verify → accept → commit (see "the step" below)
 
-`Generator.stream` drives one sequence with batch-1 passes; the serving scheduler (runtime/serving/)
-drives many with one batched verify pass per step. Both run exactly this code, so a served request
-commits the same tokens as `specrt generate` would.
+`run(pass) -> outputs` is one batch-1 target pass (`Generator.run_pass`). The serving scheduler
+(runtime/serving/) batches the verify pass over many sequences instead, so it calls the halves of a
+step itself: `p = seq.plan()` (propose), its batched pass (verify), `seq.commit(p, logits, outs)`
+(accept + commit). Both run exactly this code, so a served request commits the same tokens as
+`specrt generate` would.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Pass:
     proposal: Proposal | None = None
     depth: int = 0  # draft depth limit chosen for this step
     propose_seconds: float = 0.0
+
+
+RunPass = Callable[[Pass], dict]  # one batch-1 target pass: {"logits": [1, R, V], "hidden_states": [1, T, H], ...}
 
 
 def pack_windows(plans: list[Pass | None]) -> tuple[np.ndarray, ...]:
@@ -96,7 +101,7 @@ class Sequence:
         self.drafter, self.state, self.capacity, self.eos = drafter, state, capacity, eos
         self.compact, self.control = compact, control
         self.node_limit = max_nodes  # drafted nodes per step at most (a batched pass's padding room)
-        self.needs_hidden = getattr(drafter, "needs_hidden", False)
+        self.needs_hidden = drafter.needs_hidden
         self.max_new_tokens = max_new_tokens
         self.exact = exact
         self.tokens = list(prompt_ids)
@@ -110,6 +115,13 @@ class Sequence:
         return self.finish is not None
 
     # ── prefill ─────────────────────────────────────────────────────────────────────────────
+    def prefill(self, run: RunPass) -> list[int]:
+        """The prompt's pass (KV rows 0..n-1) through `run`; the first token."""
+        p = self.prefill_pass()
+        t0 = time.perf_counter()
+        outs = run(p)
+        return self.prefilled(outs["logits"][0], outs, time.perf_counter() - t0)
+
     def prefill_pass(self) -> Pass:
         n = len(self.tokens)
         return Pass(np.asarray(self.tokens, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))
@@ -126,52 +138,112 @@ class Sequence:
         self.stats.stage_seconds["prefill"] += seconds
         return [first]
 
-    # ── steps ───────────────────────────────────────────────────────────────────────────────
+    # ── the step: propose → verify → accept → commit ────────────────────────────────────────────
+    #
+    # x is the last committed token (its KV row `past` = len(tokens) - 1 is not written yet: x came out
+    # of the previous step). p(·|s) is the target's next-token distribution after s, warped by
+    # temperature / top-k / top-p (runtime/sampling.py); q the drafter's, warped the same way.
+    #
+    # 1. propose  The drafter drafts a tree of N tokens after x (a chain is the one-path tree), at most
+    #             `depth` deep and no more nodes than KV rows are left. Window = [x, d1, .., dN]: node 0
+    #             is the root x, parents come before children, siblings in rank order.
+    # 2. verify   ONE target pass over the window, written at KV rows past.., positions past + depth(i),
+    #             tree mask: node i sees the prefix, its ancestors and itself. Logits row i is then
+    #             p(·| prefix, x, path to i), exactly as plain decoding would compute it after that path
+    #             (bitwise where the machine's kernels are batch-invariant: runtime/exactness.py).
+    # 3. accept   An acceptance rule (runtime/acceptance.py, the specrt::GreedyAccept/RejectionSample
+    #             ops) walks the tree from the root; see `_accept`. It returns the accepted nodes
+    #             `path` (root excluded, by depth) and one more token `nxt`: A + 1 tokens committed per
+    #             pass, A = len(path) >= 0, so a step never commits less than plain decoding.
+    # 4. commit   Append window[path] + [nxt]; move the accepted nodes' KV rows to the front of the new
+    #             region and roll back the rest by moving past_len (see `_commit_kv`); tell the drafter.
+
+    def step(self, run: RunPass) -> list[int] | None:
+        """One whole step with a batch-1 target pass `run`; the tokens committed, None once finished."""
+        p = self.plan()  # 1. propose
+        if p is None:
+            return None
+        t0 = time.perf_counter()
+        outs = run(p)  # 2. verify
+        return self.commit(p, outs["logits"][0], outs, time.perf_counter() - t0)  # 3. accept, 4. commit
+
     def plan(self) -> Pass | None:
-        """Propose this step's draft; the verify window, or None once the sequence is finished."""
-        if self.finish is None and len(self.tokens) > self.capacity:  # no row left for the next pass
+        """1. propose: this step's draft as the verify window, or None once the sequence is finished."""
+        if self.finish is None and len(self.tokens) > self.capacity:  # no KV row left for the root
             self.finish = "length"
         if self.finish is not None:
             return None
-        tokens = self.tokens
-        max_nodes = self.capacity - len(tokens)  # KV rows left after the root's
+        max_nodes = self.capacity - len(self.tokens)  # KV rows left after the root's
         if self.node_limit is not None:
             max_nodes = min(max_nodes, self.node_limit)
         max_depth = self.max_new_tokens - len(self.out) - 1  # the bonus token needs one more
         depth = min(self.control.choose().depth, max_depth) if self.control else max_depth
         with Timer(self.stats, "propose") as t:
-            prop = Proposal()
-            if depth > 0:  # depth 0: adaptive chose a plain step
-                prop = self.drafter.propose(tokens, max_nodes, depth, self.sampling, self.rng)
+            prop = Proposal()  # depth 0 (adaptive chose a plain step, or one token is left): no draft
+            if depth > 0:
+                prop = self.drafter.propose(self.tokens, max_nodes, depth, self.sampling, self.rng)
             prop = prop.limited(max_nodes, depth)
             tree = prop.tree()
-            window = np.asarray([tokens[-1], *prop.tokens], np.int64)
-        return Pass(window, len(tokens) - 1, tree, np.arange(tree.size), prop, depth, t.elapsed)
+            window = np.asarray([self.tokens[-1], *prop.tokens], np.int64)
+        return Pass(window, len(self.tokens) - 1, tree, np.arange(tree.size), prop, depth, t.elapsed)
 
     def commit(self, p: Pass, logits: np.ndarray, outs: dict, verify_seconds: float = 0.0) -> list[int]:
-        """Accept and commit after the verify pass over `p` (`logits` [T, V]); the new tokens."""
+        """3. accept and 4. commit, after the verify pass over `p` (`logits` [T, V] of its window rows,
+        `outs` its batch-1 outputs); the tokens committed."""
         self.stats.stage_seconds["verify"] += verify_seconds
-        prop, tree, window, past = p.proposal, p.tree, p.window, p.past
         with Timer(self.stats, "accept"):
-            q = None if prop.q is None else np.concatenate([np.zeros_like(prop.q[:1]), prop.q])
-            path, nxt = self.rule(Window(window, tree, q), logits, self.sampling, self.rng)
-            new = [*window[path].tolist(), nxt]
+            path, nxt = self._accept(p, logits)
         with Timer(self.stats, "commit"):
-            rows = [past + n for n in path]
-            if rows != list(range(past + 1, past + 1 + len(path))):
-                self.compact(past + 1, rows)
-            if self.needs_hidden:  # the root's and the accepted nodes' target states
-                self.state.write(np.arange(past, past + 1 + len(path)), outs, [0, *path])
-            self.stats.record(len(prop), len(path))
-            if self.control:
-                self.stats.depth_sum += p.depth
-                self.stats.plain_steps += p.depth == 0
-                self.control.update(p.depth, tree.depth[1:], len(path), p.propose_seconds, verify_seconds)
+            self._commit_kv(p.past, path, outs)
+            self._record(p, len(path), verify_seconds)
             kept = len(self.out)
-            self.finish = self._emit(new)
+            self.finish = self._emit([*p.window[path].tolist(), nxt])
             self.drafter.observe(self.tokens, self.state)
         return self.out[kept:]
 
+    def _accept(self, p: Pass, logits: np.ndarray) -> tuple[list[int], int]:
+        """3. accept: (accepted window nodes, next token), by this sequence's rule (runtime/acceptance.py).
+
+        greedy (temperature 0): from node n = root, accept the first child c (rank order) whose token is
+            argmax p(·|n), set n = c, repeat; stop at a node none of whose children is its argmax. The
+            bonus token is argmax p(·|n) at that last accepted node. Each committed token is thus the
+            target's argmax given the committed prefix before it — plain greedy's token at that
+            position — so by induction over steps the output equals plain greedy decoding bit for bit.
+        rejection (temperature > 0): at node n, children c in rank order, each token x_c drawn from q_c:
+            accept c with probability min(1, p(x_c)/q_c(x_c)) and move to c (p = c's row); on rejection
+            p ← norm(max(0, p − q_c)) and test the next sibling with it. No child accepted: sample the
+            next token from the p left (a leaf's p is its target row: the bonus token comes from p).
+            For one child, P(y) = min(p, q)(y) + (1 − Σ min(p, q))·norm(max(0, p − q))(y) = p(y): each
+            committed token follows the target's distribution. Deterministic drafters (n-gram, greedy
+            drafts) give no q: the rule uses one-hot q, i.e. accept x with probability p(x).
+        typical (lossy, opt-in): Medusa's entropy-scaled threshold; output no longer follows p.
+        """
+        q = p.proposal.q
+        if q is not None:  # the rule's q has a row per window node; the root's (row 0) is not drafted
+            q = np.concatenate([np.zeros_like(q[:1]), q])
+        return self.rule(Window(p.window, p.tree, q), logits, self.sampling, self.rng)
+
+    def _commit_kv(self, past: int, path: list[int], outs: dict) -> None:
+        """4. commit, the target's side: window node i's K/V were written at row past + i; the accepted
+        nodes belong at rows past+1 .. past+A (their positions). A chain's path is 1..A: already there.
+        A tree's (e.g. [2, 5]) is compacted: `compact(past + 1, [past + 2, past + 5])` moves those rows
+        to the front of the new region. Rows past+A+1.. (rejected nodes) are rolled back by moving
+        past_len alone: the next pass starts at past+A+1 (its root: the bonus token) and overwrites them,
+        and a pass's attention reads only the rows below its past_len and its own window."""
+        rows = [past + n for n in path]
+        if rows != list(range(past + 1, past + 1 + len(path))):
+            self.compact(past + 1, rows)
+        if self.needs_hidden:  # the root's and the accepted nodes' target states, for the drafter
+            self.state.write(np.arange(past, past + 1 + len(path)), outs, [0, *path])
+
+    def _record(self, p: Pass, accepted: int, verify_seconds: float) -> None:
+        """Per-step statistics; the adaptive controller learns what this depth bought and cost."""
+        self.stats.record(len(p.proposal), accepted)
+        if self.control:
+            self.stats.record_depth(p.depth)
+            self.control.update(p.depth, p.tree.depth[1:], accepted, p.propose_seconds, verify_seconds)
+
+    # ── end ─────────────────────────────────────────────────────────────────────────────────
     def cancel(self, reason: str = "cancelled") -> None:
         self.finish = self.finish or reason
 

@@ -39,12 +39,18 @@ class Stats:
         return self.depth_sum / self.steps if self.steps else 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
+        """One verify pass: `drafted` tree nodes, of which `accepted` (a path from the root) were taken."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+    def record_depth(self, depth: int) -> None:
+        """The draft depth limit adaptive depth chose for a step (0: a plain step, no draft)."""
+        self.depth_sum += depth
+        self.plain_steps += depth == 0
 
     def to_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),

@@ -24,7 +24,7 @@ PROMPT = "Repeat this list exactly: red, green, blue, red, green, blue, red, gre
 def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
     """P(next `length` tokens) under the warped target, by enumerating the support (top-k)."""
     out: dict[tuple, float] = {}
-    first = warp(gen.forward(prompt, 0, rows=[len(prompt) - 1])[0], params)  # the prompt's rows stay valid
+    first = warp(gen.forward(prompt, 0, rows=[len(prompt) - 1])["logits"][0, 0], params)  # the prompt's rows stay valid
     frontier = [((), 1.0, first)]
     for depth in range(length):
         nxt = []
@@ -34,7 +34,7 @@ def exact_distribution(gen: Generator, prompt: list[int], params: SamplingParams
                 if depth + 1 == length:
                     out[seq] = p
                 else:
-                    logits = gen.forward([prompt[-1], *seq], len(prompt) - 1)[-1]
+                    logits = gen.forward([prompt[-1], *seq], len(prompt) - 1)["logits"][0, -1]
                     nxt.append((seq, p, warp(logits, params)))
         frontier = nxt
     return out

@@ -52,12 +52,18 @@ class OrtDecoder(Decoder):
         self.kv = [np.zeros(shape, np.float32) for _ in range(2 * cfg.num_layers)]
         self.binding = self.session.io_binding()
         # outputs other than the KV buffers, bound first so get_outputs() lists them in this order
-        self.output_names = [o.name for o in self.session.get_outputs() if not o.name.startswith("present_")]
+        outputs = [o for o in self.session.get_outputs() if not o.name.startswith("present_")]
+        self.output_names = [o.name for o in outputs]
+        self._output_shapes = {o.name: tuple(o.shape) for o in outputs}
         for name in self.output_names:
             self.binding.bind_output(name)
         self._views: dict[tuple[int, int], list] = {}
         self.slots = (0, batch)
         self._bind_kv(0, batch)
+
+    def output_shape(self, name: str) -> tuple | None:
+        """The graph's shape of output `name` (dynamic axes by name); None when it has no such output."""
+        return self._output_shapes.get(name)
 
     def _bind_kv(self, start: int, stop: int) -> None:
         """Bind sequence slots start..stop-1 of every KV buffer (a contiguous view: no copy) as the

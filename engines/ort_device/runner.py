@@ -14,9 +14,11 @@
   `gpu_graph_id` per bucket (ORT keeps one captured graph per id, ids >= 1; -1 runs without
   capture; ORT warms up and captures by itself on an id's first runs). The exported decoder reads its
   attended length from data (L = max(past_len) + T, see plugins/tree_attention.py), which a captured
-  graph would freeze, so with graphs on the bucket key also holds `past_len`: a replay then sees the
-  very shapes it captured (correct by construction), and pays off only when a (T, R, past_len)
-  repeats (e.g. the same prompt again) until a static-length decoder variant is exported.
+  graph would freeze, so with graphs on the bucket key also holds max(past_len) (`bucket_key`): a
+  replay then sees the very shapes it captured (correct by construction), and pays off only when a
+  (T, R, max past_len) repeats (e.g. the same prompt again) until a static-length decoder variant is
+  exported. (TensorRT needs no such key: its attention plugin reads past_len at run time, see
+  engines/trt/runner.py `graph_key`.)
 
 NEVER RUN in this workplace: the lines marked "never run here (no GPU)" (the CUDA provider, device
 OrtValues on CUDA, graph capture). Everything else runs and is tested on the CPU provider.
@@ -96,6 +98,25 @@ def compact_model(num_buffers: int, shape: tuple[int, ...]) -> bytes:
             g.op("TensorScatter", buf, moved, dst, axis=2, out_names=[f"kv_out.{i}"])
             g.output(f"kv_out.{i}", f"kv_out.{i}", FLOAT, list(shape))
     return g.model("specrt KV compaction: accepted tree rows moved next to the prefix, in place").SerializeToString()
+
+
+def bucket_key(slots: tuple[int, int], feeds: dict[str, np.ndarray], past_len: np.ndarray,
+               cuda_graphs: bool) -> tuple:
+    """The bucket (IOBinding, fixed buffers, graph id) a pass runs in: the KV slots it binds (their
+    addresses), every input's name and shape and, with CUDA graphs, the attended length max(past_len).
+
+    ORT captures a graph with every input at a fixed address and shape and replays its kernels as
+    launched, without running the graph's shape computations again. Input values are copied into
+    the fixed buffers before each run, so values the graph only computes with (past_len in the mask
+    and the TensorScatter of the new KV rows, the tree mask, the ids) may change between replays.
+    Shapes taken from values may not: the decoder's attention (the TreeAttention function body,
+    plugins/tree_attention.py) sizes its Range, mask and K/V Slice with L = max(past_len) + T, so a
+    replay at another max(past_len) would attend over the captured length. T is in the input
+    shapes; max(past_len) is the one value-derived size, so it is in the key when graphs are on
+    (each sequence's own past_len is data: a batch whose longest sequence has the same length reuses
+    the graph). Without graphs ORT runs shape inference every run: shapes and slots suffice."""
+    key = (slots, *((n, tuple(v.shape)) for n, v in feeds.items()))
+    return key + (int(np.max(past_len)),) if cuda_graphs else key
 
 
 @dataclass
@@ -196,9 +217,7 @@ class OrtDeviceDecoder(Decoder):
         return _Bucket(binding, inputs, outputs, options)
 
     def _bucket(self, feeds: dict[str, np.ndarray], past_len: np.ndarray) -> _Bucket:
-        key = (self.slots, *((n, v.shape) for n, v in feeds.items()))
-        if self.cuda_graphs:  # the attended length is read from past_len: part of what a graph bakes in
-            key += (tuple(int(p) for p in past_len),)
+        key = bucket_key(self.slots, feeds, past_len, self.cuda_graphs)
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= MAX_BUCKETS:  # full: run uncaptured, keep no buffers for this shape
@@ -209,6 +228,10 @@ class OrtDeviceDecoder(Decoder):
         return bucket
 
     # ── OrtDecoder's interface ─────────────────────────────────────────────────────────────────────
+    def output_shape(self, name: str) -> tuple | None:
+        """The graph's shape of output `name` (dynamic axes by name); None when it has no such output."""
+        return tuple(self.outputs[name].shape) if name in self.outputs else None
+
     def select(self, start: int, stop: int) -> None:
         """Make the next passes run over sequence slots start..stop-1 (their inputs have batch stop-start)."""
         self.check_slots(start, stop)

@@ -44,6 +44,22 @@ def _require_cuda_torch():
     return torch
 
 
+def graph_key(feeds: dict[str, np.ndarray]) -> tuple:
+    """The bucket (context + CUDA graph) a pass runs in: its input names and shapes, not their values.
+
+    Shapes are all a recorded graph bakes in besides addresses: every input, `past_len` included, is
+    a device buffer the step overwrites before each replay, and nothing in the engine takes a shape
+    from `past_len`'s value. Attention is the TreeAttention plugin (plugins/tensorrt_plugins.py,
+    swapped in for the ONNX function body by ENABLE_PLUGIN_OVERRIDE): its grid is (T, B·H), from
+    shapes, and its kernel loads past_len from device memory and loops over the valid rows at run
+    time; the KV update (TensorScatter at past_len) takes it as data. So one graph serves every
+    past_len. (The KV buffers' addresses are checked apart, in `_pass`.) Were the function body
+    built instead of the plugin, past_len would size its Range/Slice (L = max(past_len) + T) and
+    TensorRT would make it a host shape input (`engine.is_shape_inference_io("past_len")`), which
+    this runner, binding a device buffer, does not support with or without graphs."""
+    return tuple((n, tuple(feeds[n].shape)) for n in sorted(feeds))
+
+
 class _Bucket:
     """One (T, R, extras) shape: its execution context, static device buffers and CUDA graph."""
 
@@ -99,7 +115,7 @@ class TrtDecoder(Decoder):
         return out
 
     def _bucket(self, feeds: dict[str, np.ndarray]) -> _Bucket:
-        key = tuple((n, feeds[n].shape) for n in sorted(feeds))
+        key = graph_key(feeds)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._new_bucket(feeds)
@@ -170,6 +186,10 @@ class TrtDecoder(Decoder):
         return {name: t.numpy() for name, t in outs.items()}
 
     # ── OrtDecoder's interface ─────────────────────────────────────────────────────────────────────
+    def output_shape(self, name: str) -> tuple[int, ...] | None:
+        """The engine's shape of output `name` (-1: a dynamic axis); None when it has no such output."""
+        return tuple(self.engine.get_tensor_shape(name)) if name in self.output_names else None
+
     def run_all(self, input_ids: np.ndarray, position_ids: np.ndarray, past_len: np.ndarray,
                 tree_mask: np.ndarray, logits_index: np.ndarray, **extra: np.ndarray) -> dict[str, np.ndarray]:
         """One forward pass (several for a prefill longer than the engine's window); every non-KV output."""

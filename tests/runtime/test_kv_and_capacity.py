@@ -7,6 +7,7 @@ import pytest
 
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
+from specrt.runtime.drafters import Drafter
 from specrt.runtime.generate import Generator
 
 
@@ -71,7 +72,7 @@ def test_eos_stops_generation(tiny_bundle):
     assert res.finish_reason == "stop" and res.token_ids == plain[:cut]
 
 
-class _Oracle:
+class _Oracle(Drafter):
     """A test drafter that knows the plain greedy continuation and hides it in a tree's 2nd branch:
     node 1 (rank 0) is wrong, node 2 (rank 1) is right, node 3 (child of 2) is right — so the
     accepted path [2, 3] is not contiguous and its KV rows must be moved."""

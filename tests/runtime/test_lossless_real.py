@@ -43,8 +43,8 @@ def test_verify_window_is_bitwise_equal_to_single_token_passes(real_generator, w
     b.forward(prompt, 0, rows=[len(prompt) - 1])
     window_ids = [prompt[-1], *cont[: window - 1]]
     # the window re-feeds the last prompt token (as the runtime does), then the continuation
-    many = a.forward(window_ids, len(prompt) - 1)
-    singles = np.stack([b.forward([tok], len(prompt) - 1 + i)[0] for i, tok in enumerate(window_ids)])
+    many = a.forward(window_ids, len(prompt) - 1)["logits"][0]
+    singles = np.stack([b.forward([tok], len(prompt) - 1 + i)["logits"][0, 0] for i, tok in enumerate(window_ids)])
     assert np.array_equal(many, singles), f"max |Δ| {np.abs(many - singles).max():.3e}"
     for buf_a, buf_b in zip(a.target.kv, b.target.kv, strict=True):
         rows = slice(0, len(prompt) - 1 + window)
@@ -66,6 +66,6 @@ def test_tree_branch_logits_are_bitwise_equal_to_a_chain(real_generator):
     for tokens, parents in ((window, tree), ([prompt[-1], cont[0], cont[1]], Tree.chain(2))):
         g = Generator(gen.bundle, max_seq_len=256, threads=gen.threads)
         g.forward(prompt, 0, rows=[len(prompt) - 1])
-        runs.append(g.forward(tokens, len(prompt) - 1, parents))
+        runs.append(g.forward(tokens, len(prompt) - 1, parents)["logits"][0])
     tree_logits, chain_logits = runs
     assert np.array_equal(tree_logits[[0, 2, 3]], chain_logits), np.abs(tree_logits[[0, 2, 3]] - chain_logits).max()
