@@ -102,7 +102,7 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
     # ── endpoints ───────────────────────────────────────────────────────────────────────────
     @app.get("/health")
     async def health():
-        alive = scheduler._thread is not None and scheduler._thread.is_alive()
+        alive = scheduler.alive
         body = {"status": "ok" if alive else "scheduler stopped", "model": model_name, "slots": len(scheduler.slots),
                 "running": scheduler.running, "waiting": len(scheduler.waiting), "drafter": scheduler.drafter_name}
         return JSONResponse(body, status_code=200 if alive else 503)

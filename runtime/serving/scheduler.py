@@ -10,8 +10,10 @@ One thread owns the target graph. Each step it
 
 Each sequence runs exactly `runtime/sequence.py`, the code `specrt generate` runs, and the target's
 kernels compute every row of a batched pass as they compute it alone (the bundle's batch-invariance
-check; tests/runtime/test_serving_engine.py holds served output to single-request output), so a
-served greedy request returns the same tokens as a lone one.
+check; tests/serving/test_scheduler.py holds served output to single-request output), so a served
+greedy request returns the same tokens as a lone one. Every slot's drafter is configured like the
+generator's current one (`Generator.use`: drafter, tree, options, adaptive depth); each slot has its
+own drafter caches, target state and adaptive-depth controller.
 """
 
 from __future__ import annotations
@@ -118,12 +120,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.drafter_name = gen.drafter_name
         self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
-        adaptive = gen.adaptive and gen.drafter_name != "plain"
-        self.slots = []
-        for i in range(min(gen.slots, max_slots or gen.slots)):
-            drafter, _ = (gen.drafter, gen.drafter_tree) if i == 0 else gen.new_drafter(gen.drafter_name)
-            self.slots.append(_Slot(i, drafter, gen.state if i == 0 else gen.new_state(),
-                                    AdaptiveDepth(gen.max_depth) if adaptive else None))
+        self.slots = [self._new_slot(i) for i in range(min(gen.slots, max_slots or gen.slots))]
         self.waiting: deque[Handle] = deque()
         self._lock = threading.Condition()
         self._stop = False
@@ -132,6 +129,14 @@ class Scheduler:
         # sequences per verify pass, the latest BATCH_HISTORY (for the bench and tests; bounded: a server
         # runs for days — the metrics' histogram keeps the whole story)
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_HISTORY)
+
+    def _new_slot(self, i: int) -> _Slot:
+        """KV slot i: slot 0 takes the generator's own drafter and target state (those `generate` uses in
+        slot 0), the others fresh ones configured the same; each its own adaptive-depth controller."""
+        gen = self.gen
+        adaptive = gen.adaptive_now and gen.drafter_name != "plain"
+        return _Slot(i, gen.drafter if i == 0 else gen.fresh_drafter(), gen.state if i == 0 else gen.new_state(),
+                     AdaptiveDepth(gen.max_depth) if adaptive else None)
 
     # ── public ──────────────────────────────────────────────────────────────────────────────
     def start(self) -> Scheduler:
@@ -164,6 +169,11 @@ class Scheduler:
             self.metrics.waiting.set(len(self.waiting))
             self._lock.notify_all()
         return handle
+
+    @property
+    def alive(self) -> bool:
+        """Is the scheduler's thread running (started and neither stopped nor crashed)?"""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def running(self) -> int:

@@ -165,6 +165,21 @@ def test_health_models_and_metrics(served):
     assert 'specrt_batch_size_bucket{le="1.0"}' in samples
 
 
+def test_health_is_503_once_the_scheduler_stopped(tiny_bundle):
+    from specrt.runtime.generate import Generator
+    from specrt.runtime.serving.api import create_app
+    from specrt.runtime.serving.scheduler import Scheduler
+
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1))
+    with running(create_app(scheduler, "tiny")) as url:
+        up = httpx.get(f"{url}/health")
+        scheduler.stop()  # the server still answers; its scheduler does not
+        down = httpx.get(f"{url}/health")
+    assert up.status_code == 200 and up.json()["status"] == "ok"
+    assert down.status_code == 503 and down.json()["status"] == "scheduler stopped"
+    assert set(up.json()) == set(down.json()) == {"status", "model", "slots", "running", "waiting", "drafter"}
+
+
 @pytest.fixture()
 def slow_server(tiny_bundle):
     from specrt.runtime.generate import Generator

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specrt.runtime.drafters import Drafter
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.serving.scheduler import Scheduler, SchedulerFull
@@ -125,3 +126,118 @@ def test_iter_text_streams_the_generated_text_and_returns_stats(tiny_reference):
     assert len(pieces) > 1 and "".join(pieces) == tiny_reference.tokenizer.decode(want.token_ids)
     assert stream.result.token_ids == want.token_ids and stream.result.text == "".join(pieces)
     assert stream.result.stats.new_tokens == len(want.token_ids)
+
+
+def _spy_on_proposals(drafter) -> list[Tree]:
+    """Record the tree of every proposal `drafter` makes from now on."""
+    trees, propose = [], drafter.propose
+
+    def spy(*args, **kwargs):
+        prop = propose(*args, **kwargs)
+        trees.append(prop.tree())
+        return prop
+
+    drafter.propose = spy
+    return trees
+
+
+def test_every_slot_drafts_like_the_generators_current_drafter(tiny_bundle, tiny_reference):
+    """`use(tree=…, adaptive=…)` after construction: every slot (not only slot 0) drafts that tree with its
+    own drafter and controller, and served output still equals single-request plain output."""
+    from specrt.runtime.tree import resolve_tree
+
+    gen = Generator(tiny_bundle, drafter="draft", max_seq_len=64, slots=3, num_draft_tokens=3)
+    gen.use("draft", tree="binary", adaptive=True)
+    binary = resolve_tree("binary", gen.k)
+    assert gen.drafter_tree == binary != gen.tree  # not the generator's default shape (a chain of 3)
+    scheduler = Scheduler(gen)
+    drafters = [s.drafter for s in scheduler.slots]
+    assert len({id(d) for d in drafters}) == 3  # each slot has its own caches
+    assert [d.shape for d in drafters] == [binary] * 3
+    assert all(s.control is not None and s.control.k == gen.max_depth for s in scheduler.slots)
+    assert len({id(s.control) for s in scheduler.slots}) == 3
+    spied = [_spy_on_proposals(d) for d in drafters]
+    ids = [gen.tokenizer.encode_prompt(p, raw=True) for p in PROMPTS]
+    handles = [scheduler.submit(x, 8 + 3 * i) for i, x in enumerate(ids)]  # queued first: slots 0, 1, 2 all serve
+    scheduler.start()
+    try:
+        results = [h.wait() for h in handles]
+    finally:
+        scheduler.stop()
+    for i, (x, r) in enumerate(zip(ids, results, strict=True)):
+        assert r.token_ids == tiny_reference.generate_ids(x, 8 + 3 * i).token_ids, i
+    for b, trees in enumerate(spied):  # the first steps draft at full depth: the whole binary tree
+        assert trees and trees[0] == binary, (b, trees[:1])
+
+
+VOCAB = 49152  # the tiny bundle's
+SLOW_DRAFT_S = 0.02  # a wrong draft also costs this much: speculating can only lose
+
+
+class _Scripted(Drafter):
+    """A test drafter. For a prompt in `scripts` ({prompt: (right, greedy continuation)}) it proposes the
+    target's greedy continuation (`right`) or a token the target never picks next, slowly (not `right`)."""
+
+    name = "scripted"
+
+    def __init__(self, scripts: dict[tuple[int, ...], tuple[bool, list[int]]]):
+        self.scripts = scripts
+
+    def propose(self, tokens, max_nodes, max_depth, sampling, rng):
+        import time
+
+        from specrt.runtime.drafters import Proposal
+
+        for prompt, (right, continuation) in self.scripts.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                n = len(tokens) - len(prompt)
+                nodes = continuation[n : n + min(max_nodes, max_depth)]
+                if not right:
+                    time.sleep(SLOW_DRAFT_S)
+                    nodes = [(nodes[0] + 1) % VOCAB, *nodes[1:]] if nodes else []
+                return Proposal(list(nodes), list(range(len(nodes))))  # a chain
+        return Proposal()
+
+    def observe(self, tokens, state=None) -> None:
+        pass
+
+
+def test_each_slot_adapts_its_own_draft_depth(tiny_bundle, tiny_reference):
+    """Two requests share every verify pass: one whose drafts are always accepted, one whose drafts are
+    always rejected (and slow). Each slot's controller sees only its own sequence: acceptance near 1 vs
+    near 0, deep drafts vs mostly plain steps. A controller shared between slots would mix the two."""
+    right, wrong = (tuple(tiny_reference.tokenizer.encode_prompt(p, raw=True)) for p in PROMPTS[1:3])
+    lengths = {right: 40, wrong: 24}
+    want = {p: tiny_reference.generate_ids(list(p), n).token_ids for p, n in lengths.items()}
+    scripts = {right: (True, want[right]), wrong: (False, want[wrong])}
+    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2, adaptive=True, num_draft_tokens=4)
+    assert gen.slots == 2 and gen.drafter_name == "ngram", gen.notes
+    scheduler = Scheduler(gen)
+    for slot in scheduler.slots:  # each slot drafts from the script
+        slot.drafter = _Scripted(scripts)
+    handles = {p: scheduler.submit(list(p), n) for p, n in lengths.items()}  # slot 0: right, slot 1: wrong
+    scheduler.start()
+    try:
+        results = {p: h.wait() for p, h in handles.items()}
+    finally:
+        scheduler.stop()
+    assert max(scheduler.batch_sizes) == 2  # the two really shared passes
+    for p in lengths:
+        assert results[p].token_ids == want[p]
+    good, bad = scheduler.slots[0].control, scheduler.slots[1].control
+    assert good.acceptance()[0] > 0.8 and bad.acceptance()[0] < 0.2, (good.summary(), bad.summary())
+    assert results[right].stats.accepted > 0 and results[wrong].stats.accepted == 0
+    deep, shallow = results[right].stats, results[wrong].stats
+    assert shallow.plain_steps > 0 and deep.mean_draft_depth > shallow.mean_draft_depth + 1, (
+        deep.to_dict(), shallow.to_dict())
+
+
+def test_alive_follows_the_scheduler_thread(tiny_bundle):
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1))
+    assert not scheduler.alive
+    scheduler.start()
+    try:
+        assert scheduler.alive
+    finally:
+        scheduler.stop()
+    assert not scheduler.alive
