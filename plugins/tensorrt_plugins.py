@@ -31,15 +31,11 @@ import dataclasses
 import functools
 
 from specrt.errors import SpecrtError
-from specrt.plugins.tree_attention import PLUGIN_ATTRS
+from specrt.plugins.plugin_names import DEFAULT_MAX_WINDOW, PLUGIN_NAMESPACE, TENSORRT_INSTALL_HINT
 from specrt.plugins.triton_kernels import INSTALL_HINT as TRITON_HINT
 from specrt.plugins.triton_kernels import tl  # None without triton; Triton's codegen looks `tl` up here
 
-INSTALL_HINT = ("TensorRT is not installed: on a machine with an NVIDIA GPU and CUDA, "
-                "`pip install tensorrt polygraphy` (wheels come from NVIDIA's index via pypi.nvidia.com)")
-PLUGIN_NAMESPACE, PLUGIN_VERSION = PLUGIN_ATTRS["plugin_namespace"], PLUGIN_ATTRS["plugin_version"]
-PLUGIN_OPS = ("TreeAttention", "RejectionSample")
-DEFAULT_MAX_WINDOW = 64  # drafted nodes + root; bigger trees need `specrt build --backend trt` again
+INSTALL_HINT = TENSORRT_INSTALL_HINT
 
 TREE_ATTENTION = f"{PLUGIN_NAMESPACE}::TreeAttention"
 REJECTION_SAMPLE = f"{PLUGIN_NAMESPACE}::RejectionSample"

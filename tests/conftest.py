@@ -58,6 +58,15 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def random_drafters_bundle(tmp_path_factory, tokenizer_dir):
+    """A tiny random Llama exported with random Medusa, EAGLE, EAGLE-3 and MTP drafters (and a 1-layer
+    draft): (bundle, loaded target, [(kind, checkpoint folder)])."""
+    from tests.helpers import RANDOM_DRAFTERS, random_drafter_bundle
+
+    return random_drafter_bundle(tmp_path_factory.mktemp("random_drafters"), tokenizer_dir, RANDOM_DRAFTERS, 1)
+
+
+@pytest.fixture(scope="session")
 def trained_drafters(real_model, tmp_path_factory):
     """Every learned drafter kind trained briefly (seconds each) on the real target's answers to a few
     prompts: ([(kind, checkpoint folder)], the prompt rows trained on, each kind's training metrics)."""

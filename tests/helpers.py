@@ -44,3 +44,44 @@ def save_tiny_folder(folder: Path, model_type: str, tokenizer_dir: Path | None, 
         for f in tokenizer_dir.iterdir():
             shutil.copy(f, folder / f.name)
     return folder
+
+
+# config fields of the random drafters tests run on a tiny target (tests/conftest.py random_drafters_bundle)
+RANDOM_DRAFTERS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000},
+                   "mtp": {"num_modules": 2, "num_steps": 3}}
+
+
+def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[tuple[str, Path]]:
+    """Drafters of each kind in `specs` ({kind: config fields}) for the loaded `target`, with random
+    non-trivial weights (one seeded stream, so the same call gives the same weights), saved as
+    checkpoints under folder/<kind>; EAGLE-3's reduced vocabulary is spread over the target's."""
+    from specrt.export import drafters
+
+    gen, saved = torch.Generator().manual_seed(0), []
+    vocab = target.module.cfg.vocab_size
+    for kind, fields in specs.items():
+        m = drafters.build(drafters.make_config(kind, **fields), target.module)
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            if kind == "eagle3":
+                n = m.cfg.draft_vocab_size
+                m.d2t.copy_(torch.randperm(vocab, generator=gen)[:n].sort().values - torch.arange(n))
+        drafters.save(m.eval(), folder / kind)
+        saved.append((kind, folder / kind))
+    return saved
+
+
+def random_drafter_bundle(tmp: Path, tokenizer_dir: Path, specs: dict[str, dict], draft_layers: int | None):
+    """A tiny random Llama (real tokenizer, vocab 49152) exported with `save_random_drafters(specs)`:
+    (bundle, loaded target, [(kind, checkpoint folder)])."""
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.loading import load_model
+
+    folder = save_tiny_folder(tmp / "llama", "llama", tokenizer_dir, vocab_size=49152, max_position_embeddings=256)
+    target = load_model(folder, keep_hf=False)
+    requested = save_random_drafters(tmp, target, specs)
+    export_bundle(target, tmp / "bundle", ExportOptions(draft_layers=draft_layers, progress=False,
+                                                        drafters=tuple(requested)))
+    return tmp / "bundle", target, requested

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.plugins.tensorrt_plugins import INSTALL_HINT
+from specrt.plugins.plugin_names import DEFAULT_MAX_WINDOW
+from specrt.plugins.plugin_names import TENSORRT_INSTALL_HINT as INSTALL_HINT
 
 
 def require_tensorrt():
@@ -80,7 +81,7 @@ def build_trt(bundle, manifest, precision: str = "fp16", capacity: int | None = 
     from specrt.plugins.tensorrt_plugins import register_plugins
 
     bundle = Path(bundle)
-    max_window = int(max_window or plan.DEFAULT_MAX_WINDOW)
+    max_window = int(max_window or DEFAULT_MAX_WINDOW)
     register_plugins(max_window=max_window)  # before parsing: the parser looks plugins up by name
     cache = bundle / plan.TIMING_CACHE
     capacity = int(capacity or plan.default_capacity(manifest.target.config))

@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.plugins.tensorrt_plugins import PLUGIN_NAMESPACE, PLUGIN_OPS, PLUGIN_VERSION
+from specrt.plugins.plugin_names import PLUGIN_NAMESPACE, PLUGIN_OPS, PLUGIN_VERSION
 
 MIN_VERSION = (10, 15)
 PARSER_FLAG = "ENABLE_PLUGIN_OVERRIDE"  # trt.OnnxParserFlag member

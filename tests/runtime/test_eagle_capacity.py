@@ -6,39 +6,17 @@ drafter's KV capacity. Random-weight drafters on a tiny target, as tests/runtime
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specrt.export import drafters
-from specrt.export.bundle import ExportOptions, export_bundle
-from specrt.export.loading import load_model
 from specrt.runtime.drafters import features
 from specrt.runtime.generate import Generator
-from tests.helpers import save_tiny_folder
 
-SPECS = {"eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000}}
 CAPACITY, PROMPT = 40, list(range(100, 130))
 
 
 @pytest.fixture(scope="module")
-def eagle_bundle(tmp_path_factory, tokenizer_dir):
-    """A tiny random target with random EAGLE and EAGLE-3 drafters."""
-    tmp = tmp_path_factory.mktemp("eagle_capacity")
-    folder = save_tiny_folder(tmp / "llama", "llama", tokenizer_dir, vocab_size=49152, max_position_embeddings=256)
-    target = load_model(folder, keep_hf=False)
-    gen, requested = torch.Generator().manual_seed(0), []
-    for kind, fields in SPECS.items():
-        m = drafters.build(drafters.make_config(kind, **fields), target.module)
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.requires_grad:
-                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            if kind == "eagle3":
-                m.d2t.copy_(torch.randperm(49152, generator=gen)[:3000].sort().values - torch.arange(3000))
-        drafters.save(m.eval(), tmp / kind)
-        requested.append((kind, tmp / kind))
-    bundle = tmp / "bundle"
-    export_bundle(target, bundle, ExportOptions(draft_layers=None, progress=False, drafters=tuple(requested)))
-    return bundle
+def eagle_bundle(random_drafters_bundle):
+    """A tiny random target with random EAGLE and EAGLE-3 drafters (among others)."""
+    return random_drafters_bundle[0]
 
 
 @pytest.fixture

@@ -15,39 +15,17 @@ import pytest
 import torch
 
 from specrt.export import drafters
-from specrt.export.bundle import ExportOptions, export_bundle, truncated_draft
-from specrt.export.loading import load_model
+from specrt.export.bundle import truncated_draft
 from specrt.export.modeling import rope_cos_sin
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
-from tests.helpers import save_tiny_folder
-
-SPECS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000},
-         "mtp": {"num_modules": 2, "num_steps": 3}}
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory, tokenizer_dir):
+def learned(random_drafters_bundle):
     """(bundle, target LoadedModel, torch drafter modules) with random drafters of every kind."""
-    tmp = tmp_path_factory.mktemp("learned")
-    folder = save_tiny_folder(tmp / "llama", "llama", tokenizer_dir, vocab_size=49152, max_position_embeddings=256)
-    target = load_model(folder, keep_hf=False)
-    modules, requested = {}, []
-    gen = torch.Generator().manual_seed(0)
-    for kind, fields in SPECS.items():
-        m = drafters.build(drafters.make_config(kind, **fields), target.module)
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.requires_grad:
-                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            if kind == "eagle3":  # a reduced vocabulary spread over the target's
-                ids = torch.randperm(49152, generator=gen)[:3000].sort().values
-                m.d2t.copy_(ids - torch.arange(3000))
-        drafters.save(m.eval(), tmp / kind)
-        modules[kind] = drafters.load(tmp / kind, target.module)
-        requested.append((kind, tmp / kind))
-    bundle = tmp / "bundle"
-    export_bundle(target, bundle, ExportOptions(draft_layers=1, progress=False, drafters=tuple(requested)))
+    bundle, target, requested = random_drafters_bundle
+    modules = {kind: drafters.load(path, target.module) for kind, path in requested}
     return bundle, target, modules
 
 
