@@ -43,7 +43,7 @@ class Generator:
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "ort",
                  exec_mode: str = "auto", allow_inexact: bool = False, **drafter_options):
-        """`slots` > 1: the target's KV cache holds that many sequences (the serving engine batches
+        """`slots` > 1: the target's KV cache holds that many sequences (the serving scheduler batches
         them); `stream` and `generate` use slot 0.
 
         `exec_mode`: how target passes are shaped (runtime/exec_modes.py); auto: the cheapest mode
@@ -132,7 +132,7 @@ class Generator:
 
     def fresh_drafter(self):
         """Another instance of the current drafter, configured exactly like it (name, tree, options) but
-        with its own caches: the serving engine gives one to each further KV slot."""
+        with its own caches: the serving scheduler gives one to each further KV slot."""
         return self.new_drafter(*self._drafter_key)[0]
 
     def _controller(self) -> AdaptiveDepth:
@@ -168,7 +168,7 @@ class Generator:
                  slot: int = 0, drafter=None, state: TargetState | None = None, control: AdaptiveDepth | None = None,
                  max_nodes: int | None = None) -> Sequence:
         """A new generation in KV slot `slot` of this generator's target. Default: slot 0 with the
-        generator's own drafter, target state and adaptive controller; the serving engine passes each
+        generator's own drafter, target state and adaptive controller; the serving scheduler passes each
         slot's own."""
         if drafter is None:
             drafter, state = self.drafter, self.state

@@ -99,6 +99,11 @@ class Tree:
             out.append(out[self.parents[i]] + [self.ranks[i]])
         return out[1:]
 
+    def kept(self, max_nodes: int, max_depth: int) -> list[int]:
+        """The window nodes within both limits: a prefix in window order, depth <= max_depth. Every
+        kept node's parent is kept (or is the root), so they still form a tree."""
+        return [i for i in range(1, min(self.size, max_nodes + 1)) if self.depth[i] <= max_depth]
+
     def children(self, node: int) -> list[int]:
         return [i for i in range(1, self.size) if self.parents[i] == node]
 

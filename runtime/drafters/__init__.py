@@ -43,8 +43,7 @@ class Proposal:
         """Keep the nodes within both limits (a prefix in window order stays a valid tree)."""
         if max_nodes <= 0 or max_depth <= 0:
             return Proposal()
-        depth = self.tree().depth
-        keep = [w for w in range(1, min(len(self), max_nodes) + 1) if depth[w] <= max_depth]  # window nodes
+        keep = self.tree().kept(max_nodes, max_depth)  # window nodes
         if len(keep) == len(self):
             return self
         return Proposal([self.tokens[w - 1] for w in keep], renumber(keep, [-1, *self.parents]),

@@ -19,7 +19,7 @@ from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import common_prefix
-from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
+from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
@@ -46,7 +46,7 @@ class DraftModel(Drafter):
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         shape = self.shape
-        keep = kept_nodes(shape, max_nodes, max_depth)
+        keep = shape.kept(max_nodes, max_depth)
         if not keep:
             return Proposal()
         new = tokens[len(self.cached):]

@@ -20,7 +20,7 @@ import numpy as np
 
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
-from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
+from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
@@ -145,7 +145,7 @@ class EagleDrafter(Drafter):
                 window[i] = nodes.add(drafted[i], window[self.shape.parents[i]])
             self._pass(nodes, m, [window[i] for i in level])
 
-        return expand_static(self.shape, kept_nodes(self.shape, max_nodes, depth), sampling, rng,
+        return expand_static(self.shape, self.shape.kept(max_nodes, depth), sampling, rng,
                              ranked=lambda p, n: self._to_target(top_desc(nodes.logits[window[p]], n)),
                              dist=lambda p: self._dist(nodes.logits[window[p]], sampling), evaluate=evaluate)
 

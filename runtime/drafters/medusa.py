@@ -12,7 +12,7 @@ import onnxruntime as ort
 from specrt.engines.ort_cpu.runner import session_options
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import TargetState
-from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
+from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
 
@@ -34,7 +34,7 @@ class MedusaDrafter(Drafter):
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         shape = self.shape
-        keep = kept_nodes(shape, max_nodes, min(max_depth, self.heads))
+        keep = shape.kept(max_nodes, min(max_depth, self.heads))
         if len(tokens) < 2 or not keep:
             return Proposal()
         hidden = self.state.hidden[len(tokens) - 2][None, None]

@@ -35,13 +35,6 @@ Dist = Callable[[int], np.ndarray]  # parent p -> the distribution (target vocab
 Evaluate = Callable[[list[int], dict[int, int]], None]  # (a level's nodes, node -> token so far) -> None
 
 
-def kept_nodes(shape: Tree, max_nodes: int, max_depth: int) -> list[int]:
-    """The shape's window nodes within both limits: a prefix in window order, depth <= max_depth.
-    Every kept node's parent is kept (or is the root), and the kept children of a node are its
-    ranks 0..n-1."""
-    return [i for i in range(1, min(shape.size, max_nodes + 1)) if shape.depth[i] <= max_depth]
-
-
 def sibling_groups(shape: Tree, level: list[int]) -> list[tuple[int, list[int]]]:
     """(parent, its children in `level` in rank order) for every parent of `level`, ascending."""
     return [(p, [i for i in level if shape.parents[i] == p]) for p in sorted({shape.parents[i] for i in level})]
@@ -49,7 +42,7 @@ def sibling_groups(shape: Tree, level: list[int]) -> list[tuple[int, list[int]]]
 
 def expand_static(shape: Tree, keep: list[int], sampling: SamplingParams, rng: np.random.Generator, *,
                   ranked: Ranked, dist: Dist, evaluate: Evaluate | None = None) -> Proposal:
-    """Draft the nodes `keep` of `shape` (from `kept_nodes`) level by level; the proposal lists them
+    """Draft the nodes `keep` of `shape` (from `Tree.kept`) level by level; the proposal lists them
     in window order (with the distribution each was drawn from, when sampling)."""
     if not keep:
         return Proposal()

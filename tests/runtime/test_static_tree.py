@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.runtime.drafters.static_tree import expand_static, kept_nodes
+from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.sampling import SamplingParams, top_desc
 from specrt.runtime.tree import Tree
 
@@ -37,7 +37,7 @@ class HandMade:
 
 def test_greedy_children_are_the_parents_top_candidates_in_rank_order():
     d = HandMade()
-    prop = expand_static(SHAPE, kept_nodes(SHAPE, 64, 64), SamplingParams(), np.random.default_rng(0),
+    prop = expand_static(SHAPE, SHAPE.kept(64, 64), SamplingParams(), np.random.default_rng(0),
                          ranked=d.ranked, dist=None, evaluate=d.evaluate)
     # root 0 -> 1, 2; node 1 (1) -> 2, 3; node 2 (2) -> 3; node 3 (2) -> 3
     assert prop.tokens == [1, 2, 2, 3, 3, 3]
@@ -48,11 +48,11 @@ def test_greedy_children_are_the_parents_top_candidates_in_rank_order():
 
 
 def test_limits_keep_a_window_prefix_within_the_depth():
-    assert kept_nodes(SHAPE, 64, 2) == [1, 2, 3, 4, 5]
-    assert kept_nodes(SHAPE, 3, 64) == [1, 2, 3]
-    assert kept_nodes(SHAPE, 0, 64) == kept_nodes(SHAPE, 64, 0) == []
+    assert SHAPE.kept(64, 2) == [1, 2, 3, 4, 5]
+    assert SHAPE.kept(3, 64) == [1, 2, 3]
+    assert SHAPE.kept(0, 64) == SHAPE.kept(64, 0) == []
     d = HandMade()
-    prop = expand_static(SHAPE, kept_nodes(SHAPE, 4, 64), SamplingParams(), None, ranked=d.ranked, dist=None,
+    prop = expand_static(SHAPE, SHAPE.kept(4, 64), SamplingParams(), None, ranked=d.ranked, dist=None,
                          evaluate=d.evaluate)
     assert (prop.tokens, prop.parents) == ([1, 2, 2, 3], [0, 0, 1, 1])
     assert [level for level, _ in d.calls] == [[1, 2]]  # node 2 has no kept child, still one pass per level
@@ -72,7 +72,7 @@ def test_sampling_draws_each_child_from_its_parents_distribution_in_window_order
     q_node = {0: q_root, 1: np.array([0, 0, 0, 1, 0], np.float32), 2: np.array([0, 0, 0, 0, 1], np.float32),
               3: np.array([0, 1, 0, 0, 0], np.float32)}
     shape = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
-    prop = expand_static(shape, kept_nodes(shape, 64, 64), SamplingParams(temperature=1.0),
+    prop = expand_static(shape, shape.kept(64, 64), SamplingParams(temperature=1.0),
                          FixedUniforms([0.9, 0.1, 0.6, 0.3, 0.6]), ranked=None, dist=lambda p: q_node[p],
                          evaluate=lambda level, drafted: None)
     # root draws u=.9 -> 2, u=.1 -> 0; node 1's children are point masses on 3; node 2's on 4
@@ -83,7 +83,7 @@ def test_sampling_draws_each_child_from_its_parents_distribution_in_window_order
 
 def test_medusa_style_distributions_by_depth_need_no_evaluation():
     heads = [after(0), after(5)]  # head d drafts depth d + 1 for every parent at depth d
-    prop = expand_static(SHAPE, kept_nodes(SHAPE, 64, 2), SamplingParams(), None,
+    prop = expand_static(SHAPE, SHAPE.kept(64, 2), SamplingParams(), None,
                          ranked=lambda p, n: top_desc(heads[int(SHAPE.depth[p])], n), dist=None)
     assert prop.tokens == [1, 2, 6, 7, 6]
     assert prop.parents == [0, 0, 1, 1, 2]
