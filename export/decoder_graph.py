@@ -3,7 +3,7 @@
 One graph serves prefill, single-token decode and chain/tree verification (see modeling.py for
 the contract). Per layer:
 
-    x ─► RMSNorm ─► qkv_proj (one GEMM, 1/√d folded into q) ─► (qk-norm) ─► RoPE(position_ids)
+    x ─► RMSNormalization ─► qkv_proj (one GEMM, 1/√d folded into q) ─► (qk-norm) ─► RotaryEmbedding
                     k,v ─► TensorScatter(past_kv, at past_len) ═► present_kv (in place)
          q, present_kv, past_len, tree_mask ─► specrt::TreeAttention (ONNX local function)
     x += o_proj(attn);  x += down(silu(gate) * up), gate|up from one GEMM
@@ -58,19 +58,21 @@ class _DecoderGraph:
         return y
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, name: str) -> str:
+        """RMSNorm over the last axis: one standard RMSNormalization (opset 23) node; a per-head weight
+        of more than one row (qk-norm: [heads, 1, d]) multiplies a unit-scale norm."""
         g = self.g
         with g.scope(name):
-            var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), g.const([-1]), keepdims=1)
-            denom = g.op("Sqrt", g.op("Add", var, g.const(eps, np.float32)))
-            return g.op("Mul", g.op("Div", x, denom), g.weight(f"{self._prefix}.{name}.weight", weight))
+            w = g.weight(f"{self._prefix}.{name}.weight", weight)
+            if weight.ndim == 1:
+                return g.op("RMSNormalization", x, w, axis=-1, epsilon=eps)
+            unit = g.const(np.ones(weight.shape[-1]), np.float32)
+            return g.op("Mul", g.op("RMSNormalization", x, unit, axis=-1, epsilon=eps), w)
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        g = self.g
-        with g.scope("rope"):
-            half = self.cfg.head_dim // 2
-            x1, x2 = g.op("Split", x, g.const([half, half]), axis=-1, outputs=2)
-            rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-            return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+        """Rotary embedding of x [B, heads, T, d] (halves rotated, not interleaved): one standard
+        RotaryEmbedding (opset 23) node reading per-token cos/sin tables [B, T, d/2]."""
+        with self.g.scope("rope"):
+            return self.g.op("RotaryEmbedding", x, cos, sin)
 
     # ── shared tensors ──────────────────────────────────────────────────────────────────────
     def rope_tables(self, position_ids: str) -> tuple[str, str]:
@@ -78,12 +80,11 @@ class _DecoderGraph:
         with g.scope("rotary"):
             pos = g.op("Unsqueeze", g.op("Cast", position_ids, to=FLOAT), g.const([-1]))
             freqs = g.op("Mul", pos, g.weight("rotary.inv_freq", np.array(cfg.rope_inv_freq, np.float32)))
-            emb = g.op("Concat", freqs, freqs, axis=-1)
-            cos, sin = g.op("Cos", emb), g.op("Sin", emb)
+            cos, sin = g.op("Cos", freqs), g.op("Sin", freqs)  # [B, T, d/2]
             if cfg.rope_attention_scaling != 1.0:
                 s = g.const(cfg.rope_attention_scaling, np.float32)
                 cos, sin = g.op("Mul", cos, s), g.op("Mul", sin, s)
-            return g.op("Unsqueeze", cos, g.const([1])), g.op("Unsqueeze", sin, g.const([1]))
+            return cos, sin
 
     # ── attention and layers ────────────────────────────────────────────────────────────────
     def attention(self, attn, i: int, h: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:

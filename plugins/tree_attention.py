@@ -50,9 +50,10 @@ def function() -> onnx.FunctionProto:
         L = max(past_len) + T
         mask[b, t, j] = 0 if j < past_len[b] or tree_mask[b, t, j - past_len[b]] else -1e9
         q  [B,H,T,d] ─► [B, KV, G*T, d]         (query heads grouped per KV head; K/V never repeated)
-        s  = q · k[:L]ᵀ + mask
-        softmax over the columns permuted to (prefix, ancestors by depth, rest), then permuted back
-        out = softmax(s) · v[:L] ─► [B, H, T, d]
+        P = min(past_len): columns < P are every row's committed prefix, in place; the tail P..L-1
+        s  = [q · k[:P]ᵀ | permute(q · k[P:L]ᵀ + mask[P:L])]   (only the tail is masked and permuted:
+             per row, to (prefix, ancestors by depth, rest))
+        out = [softmax(s)[:P] | permute⁻¹(softmax(s)[P:])] · v[:L] ─► [B, H, T, d]
     """
     g = GraphBuilder(NAME, as_function=True)
     q, k_cache, v_cache, past_len, tree_mask = INPUTS
@@ -74,7 +75,15 @@ def function() -> onnx.FunctionProto:
         allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)  # [B, T, L]
         add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
         rep = g.op("Concat", one, groups, one, axis=0)
-        mask = g.op("Unsqueeze", g.op("Tile", add, rep), one)  # [B, 1, G*T, L]
+        t_1d = g.op("Unsqueeze", t, zero)
+        # the mask and indices are spread to full size [B, KV, G*T, ·] from the shared inputs and
+        # attributes only, so ONNX Runtime computes them once per pass for every layer (common
+        # subexpressions), not per layer, and each layer's Add and gathers run without broadcasting
+
+        def spread_to(p, width):  # [B, T, width] -> [B, KV, G*T, width]
+            shape = g.op("Concat", g.op("Shape", tree_mask, start=0, end=1), kv_heads,
+                         g.op("Mul", groups, t_1d), width, axis=0)
+            return g.op("Expand", g.op("Unsqueeze", g.op("Tile", p, rep), one), shape)
     with g.scope("order"):
         # Column order per row: committed prefix, then the row's ancestors by depth, then the rest.
         # For a chain this is the identity; for a tree it puts an accepted node's visible columns
@@ -84,18 +93,31 @@ def function() -> onnx.FunctionProto:
         col_depth = g.op("Transpose", depth, perm=[0, 2, 1])  # [B, 1, T]
         other = g.op("Add", g.op("Range", g.const(0), t, g.const(1)), g.op("Add", t, g.const(1)))  # after any depth
         key = g.op("Where", tree_mask, col_depth, other)
-        _, order = g.op("TopK", g.op("Neg", key), g.op("Unsqueeze", t, zero), axis=2, largest=1, sorted=1, outputs=2)
-        moved = g.op("Add", g.op("GatherElements", order, idx, axis=2), g.op("Unsqueeze", g.op("Unsqueeze", past_len, one), one))
-        cols = g.op("Expand", g.op("Unsqueeze", j, zero), g.op("Shape", moved))
-        perm = g.op("Where", g.op("Unsqueeze", in_new, one), moved, cols)  # [B, T, L]
-        perm = g.op("Unsqueeze", g.op("Tile", perm, rep), one)  # [B, 1, G*T, L]
-    keys = g.op("Slice", k_cache, zero, total_1d, g.const([2]))
-    values = g.op("Slice", v_cache, zero, total_1d, g.const([2]))
+        _, order = g.op("TopK", g.op("Neg", key), t_1d, axis=2, largest=1, sorted=1, outputs=2)
+        # its inverse (argsort of a permutation), to put the probabilities back in cache order
+        _, back = g.op("TopK", g.op("Neg", order), t_1d, axis=2, largest=1, sorted=1, outputs=2)
+        offset = g.op("Unsqueeze", g.op("Unsqueeze", past_len, one), one)
+        cols = g.op("Expand", g.op("Unsqueeze", j, zero), g.op("Shape", idx))
+        keep = g.op("Unsqueeze", in_new, one)
+        perm = g.op("Where", keep, g.op("Add", g.op("GatherElements", order, idx, axis=2), offset), cols)
+        unperm = g.op("Where", keep, g.op("Add", g.op("GatherElements", back, idx, axis=2), offset), cols)
+        # Only the tail from the shortest prefix on (pmin = min(past_len)) holds window columns; below
+        # it every row sees every column in place. So the mask and both permutations touch the tail
+        # only: T × (L - pmin) entries per row group instead of T × L (a long prompt's chunks).
+        pmin = g.op("Unsqueeze", g.op("ReduceMin", past_len, keepdims=0), zero)
+        tail = g.op("Sub", total_1d, pmin)
+        axis = g.const([2])
+        mask = spread_to(g.op("Slice", add, pmin, total_1d, axis), tail)
+        perm, unperm = (spread_to(g.op("Sub", g.op("Slice", p, pmin, total_1d, axis), pmin), tail) for p in (perm, unperm))
+    head_keys, tail_keys = (g.op("Transpose", g.op("Slice", k_cache, lo, hi, axis), perm=[0, 1, 3, 2])
+                            for lo, hi in ((zero, pmin), (pmin, total_1d)))
+    values = g.op("Slice", v_cache, zero, total_1d, axis)
     qg = g.op("Reshape", q, g.op("Concat", zero, kv_heads, g.const([-1]), head_dim, axis=0))
-    scores = g.op("Add", g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 3, 2])), mask)
-    perm = g.op("Expand", perm, g.op("Shape", scores))
-    probs = g.op("Softmax", g.op("GatherElements", scores, perm, axis=3), axis=-1)
-    probs = g.op("ScatterElements", probs, perm, probs, axis=3)  # back to cache order
+    tail_scores = g.op("Add", g.op("MatMul", qg, tail_keys), mask)
+    scores = g.op("Concat", g.op("MatMul", qg, head_keys), g.op("GatherElements", tail_scores, perm, axis=3), axis=3)
+    head_probs, tail_probs = g.op("Split", g.op("Softmax", scores, axis=-1), g.op("Concat", pmin, tail, axis=0),
+                                  axis=3, outputs=2)
+    probs = g.op("Concat", head_probs, g.op("GatherElements", tail_probs, unperm, axis=3), axis=3)  # cache order
     out = g.op("MatMul", probs, values)
     g.op("Reshape", out, g.op("Concat", zero, heads, g.const([-1]), head_dim, axis=0), out_names=["out"])
     return g.function(INPUTS, ["out"], attributes=[*PLUGIN_ATTRS, *SHAPE_ATTRS], doc=function.__doc__)

@@ -1,7 +1,7 @@
 """One request's speculative decoding, as steps an outer loop drives: the loop owns the target passes.
 
     seq = Sequence(...)
-    seq.prefill(run)                        the prompt's pass; the first token
+    seq.prefill(run)                        the prompt's passes; the first token
     while (new := seq.step(run)) is not None:
         ...                                 propose → verify → accept → commit (see "the step" below)
 
@@ -44,6 +44,7 @@ class Pass:
     propose_seconds: float = 0.0
 
 
+PREFILL_CHUNK = 64  # prompt rows per prefill pass (see Sequence.prefill_passes)
 RunPass = Callable[[Pass], dict]  # one batch-1 target pass: {"logits": [1, R, V], "hidden_states": [1, T, H], ...}
 
 
@@ -116,23 +117,35 @@ class Sequence:
 
     # ── prefill ─────────────────────────────────────────────────────────────────────────────
     def prefill(self, run: RunPass) -> list[int]:
-        """The prompt's pass (KV rows 0..n-1) through `run`; the first token."""
-        p = self.prefill_pass()
+        """The prompt's passes (KV rows 0..n-1, in chunks) through `run`; the first token."""
         t0 = time.perf_counter()
-        outs = run(p)
-        return self.prefilled(outs["logits"][0], outs, time.perf_counter() - t0)
+        for p in self.prefill_passes():
+            outs = run(p)
+            self.absorb(p, outs)
+        return self.prefilled(outs["logits"][0], time.perf_counter() - t0)
 
-    def prefill_pass(self) -> Pass:
+    def prefill_passes(self) -> list[Pass]:
+        """The prompt as causal chunks of at most PREFILL_CHUNK rows, in order, each written at KV rows
+        after the previous one's; only the last row of each asks for logits. A chunk's rows are computed
+        as a whole-prompt pass computes them (the same rows as a verify chain), so chunking changes no
+        bit where the target's passes are exact, and it keeps a long prompt's attention scores at
+        chunk × context instead of context²."""
         n = len(self.tokens)
-        return Pass(np.asarray(self.tokens, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))
+        tokens = np.asarray(self.tokens, np.int64)
+        return [Pass(tokens[s : s + PREFILL_CHUNK], s, Tree.chain(min(PREFILL_CHUNK, n - s) - 1),
+                     np.array([min(PREFILL_CHUNK, n - s) - 1]))
+                for s in range(0, n, PREFILL_CHUNK)]
 
-    def prefilled(self, logits: np.ndarray, outs: dict, seconds: float = 0.0) -> list[int]:
-        """After the prefill pass (`logits` [1, V] of the last prompt row): the first token."""
+    def absorb(self, p: Pass, outs: dict) -> None:
+        """After one prefill pass: keep the target features its rows give a feature drafter."""
+        if self.needs_hidden:
+            rows = np.arange(len(p.window))
+            self.state.write(p.past + rows, outs, rows)
+
+    def prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
+        """After the last prefill pass (`logits` [1, V] of the last prompt row): the first token."""
         with Timer(self.stats, "prefill"):
             first = pick(logits[0], self.sampling, self.rng)
-            if self.needs_hidden:
-                n = len(self.tokens)
-                self.state.write(np.arange(n), outs, np.arange(n))
             self.finish = self._emit([first])
             self.drafter.observe(self.tokens, self.state)
         self.stats.stage_seconds["prefill"] += seconds

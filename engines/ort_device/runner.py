@@ -13,8 +13,9 @@
 - CUDA graphs (device "cuda"): the provider option `enable_cuda_graph` plus one run option
   `gpu_graph_id` per bucket (ORT keeps one captured graph per id, ids >= 1; -1 runs without
   capture; ORT warms up and captures by itself on an id's first runs). The exported decoder reads its
-  attended length from data (L = max(past_len) + T, see plugins/tree_attention.py), which a captured
-  graph would freeze, so with graphs on the bucket key also holds max(past_len) (`bucket_key`): a
+  attended length from data (L = max(past_len) + T, and the column split at min(past_len), see
+  plugins/tree_attention.py), which a captured graph would freeze, so with graphs on the bucket key
+  also holds max(past_len) and min(past_len) (`bucket_key`): a
   replay then sees the very shapes it captured (correct by construction), and pays off only when a
   (T, R, max past_len) repeats (e.g. the same prompt again) until a static-length decoder variant is
   exported. (TensorRT needs no such key: its attention plugin reads past_len at run time, see
@@ -103,20 +104,22 @@ def compact_model(num_buffers: int, shape: tuple[int, ...]) -> bytes:
 def bucket_key(slots: tuple[int, int], feeds: dict[str, np.ndarray], past_len: np.ndarray,
                cuda_graphs: bool) -> tuple:
     """The bucket (IOBinding, fixed buffers, graph id) a pass runs in: the KV slots it binds (their
-    addresses), every input's name and shape and, with CUDA graphs, the attended length max(past_len).
+    addresses), every input's name and shape and, with CUDA graphs, the attended length max(past_len)
+    and the shortest prefix min(past_len).
 
     ORT captures a graph with every input at a fixed address and shape and replays its kernels as
     launched, without running the graph's shape computations again. Input values are copied into
     the fixed buffers before each run, so values the graph only computes with (past_len in the mask
     and the TensorScatter of the new KV rows, the tree mask, the ids) may change between replays.
     Shapes taken from values may not: the decoder's attention (the TreeAttention function body,
-    plugins/tree_attention.py) sizes its Range, mask and K/V Slice with L = max(past_len) + T, so a
-    replay at another max(past_len) would attend over the captured length. T is in the input
-    shapes; max(past_len) is the one value-derived size, so it is in the key when graphs are on
-    (each sequence's own past_len is data: a batch whose longest sequence has the same length reuses
-    the graph). Without graphs ORT runs shape inference every run: shapes and slots suffice."""
+    plugins/tree_attention.py) sizes its Range, mask and K/V Slice with L = max(past_len) + T, and
+    splits the columns at the shortest prefix min(past_len), so a replay at another max or min would
+    attend over the captured lengths. T is in the input shapes; max and min of past_len are the
+    value-derived sizes, so they are in the key when graphs are on (each sequence's own past_len is
+    data otherwise: batch 1, or a batch with the same longest and shortest lengths, reuses the graph).
+    Without graphs ORT runs shape inference every run: shapes and slots suffice."""
     key = (slots, *((n, tuple(v.shape)) for n, v in feeds.items()))
-    return key + (int(np.max(past_len)),) if cuda_graphs else key
+    return key + (int(np.max(past_len)), int(np.min(past_len))) if cuda_graphs else key
 
 
 @dataclass

@@ -220,10 +220,11 @@ class Scheduler:
             slot.seq = self.gen.sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, slot.index,
                                          slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2)
             self.metrics.running.set(self.running)
-            p = slot.seq.prefill_pass()
             t0 = time.perf_counter()
-            outs = self._pass([p], slot.index, slot.index + 1)
-            first = slot.seq.prefilled(outs["logits"][0, : len(p.rows)], outs, time.perf_counter() - t0)
+            for p in slot.seq.prefill_passes():
+                outs = self._pass([p], slot.index, slot.index + 1)
+                slot.seq.absorb(p, outs)
+            first = slot.seq.prefilled(outs["logits"][0, : len(p.rows)], time.perf_counter() - t0)
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
             self._deliver(slot, first)

@@ -2,9 +2,10 @@
 
 - TensorRT (`graph_key`): input shapes only. past_len is a device buffer rewritten before each
   replay, and with the TreeAttention plugin in place nothing in the engine takes a shape from it.
-- ONNX Runtime on a device (`bucket_key`): slots, input shapes and, with CUDA graphs, max(past_len):
-  the TreeAttention function body sizes its attention with L = max(past_len) + T, which a captured
-  graph would freeze; each sequence's own past_len only enters as data.
+- ONNX Runtime on a device (`bucket_key`): slots, input shapes and, with CUDA graphs, max and min
+  of past_len: the TreeAttention function body sizes its attention with L = max(past_len) + T and
+  splits its columns at min(past_len), which a captured graph would freeze; each sequence's own
+  past_len only enters as data.
 
 Both claims are checked on the exported graph itself by following which tensors' shapes can depend
 on past_len's values (`shape_dependence`)."""
@@ -57,8 +58,9 @@ def test_ort_key_with_graphs_holds_the_attended_length():
     def key(past, t=4):
         return bucket_key((0, len(past)), feeds(t, past), np.asarray(past, np.int64), True)
 
-    assert key([5, 9]) == key([9, 2])  # same max(past_len): same shapes inside, per-row values are data
+    assert key([5, 9]) == key([9, 5])  # same max and min of past_len: same shapes inside, rows are data
     assert key([5, 9]) != key([5, 10])  # another attended length L = max(past_len) + T
+    assert key([5, 9]) != key([2, 9])  # another shortest prefix: the columns split elsewhere
     assert key([9]) != key([9], t=5)
     assert key([9]) != bucket_key((0, 1), feeds(4, [9]), np.array([9]), False)
 
@@ -66,17 +68,18 @@ def test_ort_key_with_graphs_holds_the_attended_length():
 # ── the exported graph: which shapes past_len's values reach ─────────────────────────────────────
 SHAPE_INPUTS = {"Range": (0, 1, 2), "Slice": (1, 2, 3, 4), "Expand": (1,), "Reshape": (1,), "Tile": (1,),
                 "TopK": (1,), "ConstantOfShape": (0,), "Pad": (1,), "Unsqueeze": (1,), "Squeeze": (1,),
-                "Split": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMean": (1,), "OneHot": (1,),
+                "Split": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMean": (1,), "ReduceMin": (1,), "OneHot": (1,),
                 "Resize": (1, 2, 3), "NonZero": (0,), "Compress": (0, 1), "Unique": (0,)}
-EACH, LONGEST = "past_len", "max(past_len)"
+EACH, LONGEST, SHORTEST = "past_len", "max(past_len)", "min(past_len)"
+WHOLE_BATCH = {"ReduceMax": LONGEST, "ReduceMin": SHORTEST}  # reductions of past_len over the batch
 
 
 def shape_dependence(nodes, value: dict[str, set], functions: dict, opaque: frozenset = frozenset()) -> dict:
     """Follow past_len through `nodes`: {tensor: (what its values depend on, what its shape depends on)}.
 
     A tensor's shape depends on its inputs' shapes and on the values of the inputs an op reads as a
-    shape (SHAPE_INPUTS); `Shape` turns a shape dependence into a value one; ReduceMax of past_len
-    itself is max(past_len). A function call is followed into its body, unless its op is `opaque`
+    shape (SHAPE_INPUTS); `Shape` turns a shape dependence into a value one; ReduceMax / ReduceMin
+    of past_len itself is max(past_len) / min(past_len). A function call is followed into its body, unless its op is `opaque`
     (a TensorRT plugin: output shaped like its first input)."""
     shape: dict[str, set] = {}
     for n in nodes:
@@ -95,8 +98,8 @@ def shape_dependence(nodes, value: dict[str, set], functions: dict, opaque: froz
             outs = (v_in | s_in, set(shape.get(n.input[0], set())))
         elif n.op_type == "Shape":
             outs = (set(shape.get(n.input[0], set())), set())
-        elif n.op_type == "ReduceMax" and value.get(n.input[0]) == {EACH} and len(ins) == 1:
-            outs = ({LONGEST}, set(shape.get(n.input[0], set())))
+        elif n.op_type in WHOLE_BATCH and value.get(n.input[0]) == {EACH} and len(ins) == 1:
+            outs = ({WHOLE_BATCH[n.op_type]}, set(shape.get(n.input[0], set())))
         else:
             read_as_shape = set().union(*(value.get(n.input[i], set()) for i in SHAPE_INPUTS.get(n.op_type, ())
                                           if i < len(n.input) and n.input[i]))
@@ -128,11 +131,13 @@ def decoder() -> onnx.ModelProto:
 
 
 def test_ort_graph_shapes_depend_on_max_past_len_only(decoder):
-    """Why `bucket_key` holds max(past_len): the function body's shapes follow it, never one row's."""
+    """Why `bucket_key` holds max and min of past_len: the function body's shapes follow them, never
+    one row's."""
     deps = shape_dependence(decoder.graph.node, {"past_len": {EACH}}, {f.name: f for f in decoder.functions})
     shaped_by = set().union(*(s for _, s in deps.values()))
     assert EACH not in shaped_by, "a shape follows one sequence's past_len: key CUDA graphs on every past_len"
     assert LONGEST in shaped_by  # the attention's length L = max(past_len) + T (the analysis sees it)
+    assert SHORTEST in shaped_by  # where its columns split into the shared prefix and the tail
 
 
 def test_trt_graph_shapes_do_not_depend_on_past_len_with_the_plugin(decoder):

@@ -69,3 +69,28 @@ def test_tree_branch_logits_are_bitwise_equal_to_a_chain(real_generator):
         runs.append(g.forward(tokens, len(prompt) - 1, parents)["logits"][0])
     tree_logits, chain_logits = runs
     assert np.array_equal(tree_logits[[0, 2, 3]], chain_logits), np.abs(tree_logits[[0, 2, 3]] - chain_logits).max()
+
+
+def test_chunked_prefill_is_bitwise_equal_to_one_pass(real_generator, monkeypatch):
+    """A long prompt is prefilled in chunks (runtime/sequence.py): the first token's logits and every KV
+    row equal a one-pass prefill of the same prompt, bit for bit, in this machine's execution mode."""
+    from specrt.runtime import sequence
+    from specrt.runtime.generate import Generator
+
+    gen = real_generator
+    text = " ".join(p["prompt"] for p in PROMPTS)
+    prompt = gen.tokenizer.encode_prompt(text)[:300]
+    runs = []
+    for chunk in (len(prompt), 128, 97):  # one pass; chunks of 128 (last 44); odd chunks (last 9)
+        monkeypatch.setattr(sequence, "PREFILL_CHUNK", chunk)
+        g = Generator(gen.bundle, max_seq_len=512, threads=gen.threads)
+        passes = g.sequence(prompt, 1).prefill_passes()
+        for p in passes:
+            outs = g.run_pass(p)
+        runs.append(([len(p.window) for p in passes], outs["logits"][0],
+                     [b[:, :, : len(prompt)].copy() for b in g.target.kv]))
+    assert [r[0] for r in runs] == [[300], [128, 128, 44], [97, 97, 97, 9]]
+    (_, logits, kv), *others = runs
+    for _, other_logits, other_kv in others:
+        assert np.array_equal(other_logits, logits), np.abs(other_logits - logits).max()
+        assert all(np.array_equal(a, b) for a, b in zip(kv, other_kv, strict=True))
