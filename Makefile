@@ -26,10 +26,10 @@ TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: serve bench-serve setup setup-peers export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: serve bench-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | export | build | test | bench | serve | bench-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | bench-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,8 @@ $(BUNDLE)/manifest.json: $(SOURCES) $(TRAINED) | setup
 $(FP32_BUNDLE)/manifest.json: $(SOURCES) | setup
 	$(SPECRT) export -o $(FP32_BUNDLE) && $(SPECRT) build $(FP32_BUNDLE)
 
-# The peers (llama-cpp-python builds llama.cpp from source: ~8 minutes, once; not part of `make test`).
+# The peers' packages (llama-cpp-python builds llama.cpp from source: ~8 minutes, once; onnxruntime-genai
+# is a wheel; not part of `make test`).
 # Built for the CPU it runs on: scripts/llama_cmake_args.py pins the x86 features /proc/cpuinfo reports
 # (AVX2-only and AVX-512 machines alike) and keeps AMX off, which faults on VMs that advertise it.
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) scripts/llama_cmake_args.py)
@@ -58,6 +59,15 @@ $(VENV)/.peers: $(VENV)/.installed
 	touch $@
 
 setup-peers: $(VENV)/.peers
+
+# onnxruntime-genai's own int4 CPU build of the default model's source, for the ortgenai peer (about a
+# minute, once): $(SPECRT_HOME)/peers/ortgenai/<model>-int4, its build record written last.
+PEER_SOURCE ?= $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+ORTGENAI_MODEL := $(SPECRT_HOME)/peers/ortgenai/$(basename $(notdir $(PEER_SOURCE)))-int4
+$(ORTGENAI_MODEL)/specrt_peer_model.json: $(PEER_SOURCE) | setup-peers
+	$(PY) -m specrt.tools.peer_models --source $(PEER_SOURCE) --force
+
+peer-models: $(ORTGENAI_MODEL)/specrt_peer_model.json
 
 export: $(BUNDLE)/manifest.json
 
@@ -70,8 +80,9 @@ run: build
 test: setup
 	$(PY) -m pytest -q tests
 
-# Every drafter of the bundle, transformers and llama.cpp, and plain fp32 specrt, side by side in one run.
-bench: build $(FP32_BUNDLE)/manifest.json setup-peers
+# Every drafter of the bundle, the peers (transformers, llama.cpp, onnxruntime-genai: each in its own
+# process) and plain fp32 specrt, side by side in one run.
+bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 	$(SPECRT) bench $(BUNDLE) --threads $(THREADS) --max-new-tokens 128 --repeats 2 --peers all \
 		--baseline $(FP32_BUNDLE) --json $(SPECRT_HOME)/bench/latest.json --report $(SPECRT_HOME)/bench/report
 

@@ -68,7 +68,9 @@ class Peer:
     `reference` names the engine whose greedy output this one must reproduce (its own engine's plain
     run, e.g. "transformers-plain"; "plain" is specrt's); None marks a reference itself (a plain peer),
     whose output is then compared with specrt's plain output only (`same_as_specrt_plain`).
-    A bare callable given as a peer counts as Peer(run, reference="plain").
+    A bare callable given as a peer counts as Peer(run, reference="plain"). `specrt bench`'s peers run in
+    their own worker processes (tools/peer_worker.py): `run` sends the ids there and returns the seconds
+    the worker timed around generation.
     """
 
     run: Callable[[list[int], int], tuple[list[int], float]]

@@ -1,11 +1,15 @@
 """Other engines measured beside specrt in `specrt bench --peers` (optional: `pip install 'specrt[peers]'`).
 
-A peer family ("transformers", "llamacpp") is a factory: (manifest, threads, max_seq_len) -> {engine
-name: Peer}; max_seq_len is the context to size for (specrt's KV capacity; None: specrt's default).
-Every engine gets the prompt's token ids as specrt encoded them, decodes greedily, stops at the model's
-EOS ids (the EOS token is kept in the output, as specrt keeps it) and returns (new ids, seconds). A
-speculative peer names its own engine's plain greedy run as its `reference`: `run_bench` checks that
-its output is identical to that one; a plain peer is a reference itself.
+A peer family ("transformers", "llamacpp", "ortgenai") is a factory: (manifest, threads, max_seq_len) ->
+{engine name: Peer}; max_seq_len is the context to size for (specrt's KV capacity; None: specrt's
+default). Every engine gets the prompt's token ids as specrt encoded them, decodes greedily, stops at
+the model's EOS ids (the EOS token is kept in the output, as specrt keeps it) and returns (new ids,
+seconds). A speculative peer names its own engine's plain greedy run as its `reference`: `run_bench`
+checks that its output is identical to that one; a plain peer is a reference itself.
+
+`make_peers` runs each family in its own worker process (tools/peer_worker.py), as users run these
+engines, so none shares specrt's process, allocator or thread pools; `in_process=True` calls the
+factories here. `peer_worker.close_peers` ends the workers (they are also ended at exit).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 from specrt.tools.bench import Peer
+from specrt.tools.peer_models import BUILD_COMMAND, ORTGENAI_OPTIONS, is_built, ortgenai_dir
+from specrt.tools.peer_worker import in_workers
 
 EXTRA = "pip install 'specrt[peers]'"
 # Draft tokens per step for the prompt-lookup peers: transformers' documented example value and
-# llama-cpp-python's LlamaPromptLookupDecoding default.
+# llama-cpp-python's LlamaPromptLookupDecoding default (onnxruntime-genai's max_draft_tokens, the same).
 PROMPT_LOOKUP_TOKENS = 10
+ORTGENAI_NGRAM = 3  # onnxruntime-genai's n-gram lookup: the suffix length it matches (specrt's --ngram-max)
 TRUNCATED = re.compile(r" \(first (\d+) of (\d+) layers\)$")  # how export_bundle names a truncated draft
 
 
@@ -212,10 +219,68 @@ def llamacpp_peers(manifest, threads: int, max_seq_len: int | None = None) -> di
     }
 
 
+# ---- onnxruntime-genai ---------------------------------------------------------------------------------
+
+def _ortgenai_runner(og, model, eos: set[int], context: int, speculative: dict | None = None) -> Callable:
+    def run(ids: list[int], max_new_tokens: int):
+        if len(ids) + max_new_tokens > context:
+            raise SpecrtError(f"the onnxruntime-genai model's context {context} < prompt {len(ids)} + "
+                              f"{max_new_tokens} new tokens: lower --max-new-tokens")
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens)
+        if speculative:
+            params.set_speculative_options(**speculative)
+        gen = og.Generator(model, params)  # its KV buffers, sized to max_length: set up before the clock
+        out: list[int] = []
+        t0 = time.perf_counter()
+        gen.append_tokens(ids)  # the prefill
+        while len(out) < max_new_tokens and not gen.is_done():
+            gen.generate_next_token()
+            new = [int(t) for t in gen.get_next_tokens()]
+            out.extend(new)
+            if eos.intersection(new):
+                break
+        seconds = time.perf_counter() - t0
+        stop = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+        return out[:min(stop, max_new_tokens)], seconds
+
+    return run
+
+
+def ortgenai_peers(manifest, threads: int, max_seq_len: int | None = None) -> dict[str, Peer]:
+    """onnxruntime-genai's Generator on its own int4 CPU build of the bundle's source (`make peer-models`):
+    plain greedy decoding, and its n-gram speculative decoding (prompt lookup, verified greedily)."""
+    folder = ortgenai_dir(manifest.target.source)
+    if not is_built(folder):
+        raise SpecrtError(f"the ortgenai peer runs onnxruntime-genai's int4 model of {manifest.target.source}, "
+                          f"but {folder} is not built: run `{BUILD_COMMAND}` (or `python -m "
+                          "specrt.tools.peer_models BUNDLE`), or leave ortgenai out of --peers")
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise SpecrtError(f"the ortgenai peer needs onnxruntime-genai: {EXTRA}") from None
+    config = og.Config(str(folder))
+    # its ONNX Runtime session gets the same thread count as specrt's
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    model = og.Model(config)
+    genai = json.loads((folder / "genai_config.json").read_text())["model"]
+    context = int(genai.get("context_length") or manifest.target.config.max_position_embeddings)
+    eos = set(manifest.target.config.eos_token_ids)
+    settings = {"engine": f"onnxruntime-genai {og.__version__}", "threads": threads, "model": str(folder),
+                **{k: v for k, v in ORTGENAI_OPTIONS.items() if k != "execution_provider"}}
+    lookup = {"ngram_size": ORTGENAI_NGRAM, "max_draft_tokens": PROMPT_LOOKUP_TOKENS}
+    return {"ortgenai-plain": Peer(_ortgenai_runner(og, model, eos, context), reference=None, settings=settings),
+            "ortgenai-prompt-lookup": Peer(_ortgenai_runner(og, model, eos, context, lookup),
+                                           reference="ortgenai-plain", settings={**settings, **lookup})}
+
+
 # ---- registry ----------------------------------------------------------------------------------------
 
 PEERS: dict[str, Callable[..., dict[str, Peer]]] = {"transformers": transformers_peers,
-                                                    "llamacpp": llamacpp_peers}
+                                                    "llamacpp": llamacpp_peers,
+                                                    "ortgenai": ortgenai_peers}
+SPECRT_BUNDLE = "specrt-bundle"  # the worker family of another specrt bundle (baseline_peer, exec_mode_peers)
 
 
 def parse_peers(spec: str | None) -> list[str]:
@@ -233,10 +298,13 @@ def parse_peers(spec: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_peers(names: list[str] | str, manifest, threads: int,
-               max_seq_len: int | None = None) -> dict[str, Peer]:
-    """{engine name: Peer} for the requested families (a list, or the `--peers` string)."""
+def make_peers(names: list[str] | str, manifest, threads: int, max_seq_len: int | None = None,
+               in_process: bool = False) -> dict[str, Peer]:
+    """{engine name: Peer} for the requested families (a list, or the `--peers` string), each family
+    loaded in its own worker process (in this one with `in_process`)."""
     names = parse_peers(names if isinstance(names, str) else ",".join(names))
+    if not in_process:
+        return in_workers({n: (PEERS[n], (manifest, threads, max_seq_len), {}) for n in names})
     out: dict[str, Peer] = {}
     for n in names:
         out.update(PEERS[n](manifest, threads, max_seq_len))
@@ -245,10 +313,14 @@ def make_peers(names: list[str] | str, manifest, threads: int,
 
 # ---- another specrt bundle (the fp32 twin of a quantized bundle) -----------------------------------
 
-def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None) -> dict[str, Peer]:
+def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None,
+                  in_process: bool = False) -> dict[str, Peer]:
     """Plain decoding on another bundle, e.g. the fp32 export beside an int4 one: `specrt-fp32-plain`
     (named after the bundle's quantization). Its own reference; `same_as_specrt_plain` then says
-    whether quantization changed the greedy output."""
+    whether quantization changed the greedy output. Runs in its own worker unless `in_process`."""
+    if not in_process:
+        return in_workers({SPECRT_BUNDLE: (baseline_peer, (Path(bundle), threads, max_seq_len),
+                                           {"in_process": True})})
     from specrt.runtime.generate import Generator
 
     gen = Generator(bundle, "plain", max_seq_len=max_seq_len, threads=threads)
@@ -262,10 +334,14 @@ def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None) ->
 
 
 def exec_mode_peers(bundle: Path, mode: str, drafters: list[str], threads: int,
-                    max_seq_len: int | None = None) -> dict[str, Peer]:
+                    max_seq_len: int | None = None, in_process: bool = False) -> dict[str, Peer]:
     """The same bundle run in execution mode `mode` (e.g. `direct`, unpadded), plain and with each
     drafter: what the mode the runtime chose costs or saves, measured in the same run. Speculation runs
-    even where `mode` is not exact here (allow_inexact); `identical_to_plain` then shows what that costs."""
+    even where `mode` is not exact here (allow_inexact); `identical_to_plain` then shows what that costs.
+    Runs in its own worker unless `in_process`."""
+    if not in_process:
+        return in_workers({SPECRT_BUNDLE: (exec_mode_peers, (Path(bundle), mode, list(drafters), threads,
+                                                             max_seq_len), {"in_process": True})})
     from specrt.runtime.generate import Generator
 
     gen = Generator(bundle, "plain", max_seq_len=max_seq_len, threads=threads, exec_mode=mode, allow_inexact=True)

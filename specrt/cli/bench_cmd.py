@@ -1,4 +1,4 @@
-"""`specrt bench`: drafters (and peers) side by side on the same prompts, in one process."""
+"""`specrt bench`: drafters side by side on the same prompts, in one process; peers each in their own."""
 
 from __future__ import annotations
 
@@ -45,12 +45,14 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--peers", "peer_names", default="",
-              help="Other configs to run beside specrt on the same token ids, comma-separated: transformers "
-                   "(plain, prompt-lookup, assisted by the bundle's draft), llamacpp (plain, prompt-lookup, on "
-                   "the source GGUF), or all. Needs pip install 'specrt[peers]'.")
+              help="Other engines to run beside specrt on the same token ids, each family in its own process, "
+                   "comma-separated: transformers (plain, prompt-lookup, assisted by the bundle's draft), llamacpp "
+                   "(plain, prompt-lookup, on the source GGUF), ortgenai (onnxruntime-genai plain and prompt-lookup "
+                   "on its int4 build of the source: `make peer-models`), or all. Needs pip install "
+                   "'specrt[peers]'.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
               help="Also run plain decoding on this bundle (e.g. the fp32 export beside a quantized one) in the "
-                   "same run, as peer specrt-<quantization>-plain.")
+                   "same run, in its own process, as peer specrt-<quantization>-plain.")
 @click.option("--exec-mode-baseline", "mode_baseline", type=click.Choice(list(EXEC_MODES)), default=None,
               help="Also run plain and every drafter in this execution mode (e.g. direct, unpadded) in the same "
                    "run, as peers specrt-MODE-DRAFTER: what the mode in use costs, and whether MODE is exact here.")
@@ -69,6 +71,7 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
             raw, json_out, report_dir, temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.tools.bench import format_table, run_bench
+    from specrt.tools.peer_worker import close_peers
     from specrt.tools.peers import make_peers
 
     runtime["allow_inexact"] = True  # a benchmark runs what it is asked; identity with plain is reported
@@ -78,19 +81,23 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         names = [d.strip() for d in drafters.split(",") if d.strip()]
     else:
         names = available_drafters(gen.manifest)
-    peers = make_peers(peer_names, gen.manifest, gen.threads, gen.capacity)
-    if baseline is not None:
-        from specrt.tools.peers import baseline_peer
-
-        peers.update(baseline_peer(baseline, gen.threads, gen.capacity))
-    if mode_baseline is not None:
-        from specrt.tools.peers import exec_mode_peers
-
-        peers.update(exec_mode_peers(gen.bundle, mode_baseline, names, gen.threads, gen.capacity))
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
     sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
-    result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
-                       trees=tree_list, sampling=sampling)
+    peers = {}  # each family in its own worker process, ended when the run is done
+    try:
+        peers.update(make_peers(peer_names, gen.manifest, gen.threads, gen.capacity))
+        if baseline is not None:
+            from specrt.tools.peers import baseline_peer
+
+            peers.update(baseline_peer(baseline, gen.threads, gen.capacity))
+        if mode_baseline is not None:
+            from specrt.tools.peers import exec_mode_peers
+
+            peers.update(exec_mode_peers(gen.bundle, mode_baseline, names, gen.threads, gen.capacity))
+        result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
+                           trees=tree_list, sampling=sampling)
+    finally:
+        close_peers(peers)
     result["config"]["exactness"] = gen.exactness.to_dict()
     click.echo(format_table(result["summary"]))
     click.echo("\nby category:")
