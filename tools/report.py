@@ -169,6 +169,9 @@ def roofline_section(roofline: dict | None) -> str:
             f"({roofline.get('bandwidth_method', '')}).\nTarget weights streamed per pass: "
             f"{_mb(roofline['target']['streamed_bytes'])} MB; KV per token: "
             f"{roofline['target']['kv_bytes_per_token'] / 1e3:.1f} kB.")
+    if roofline["target"].get("nodes"):
+        top = ", ".join(f"{op} {n}" for op, n in list(roofline["target"]["ops"].items())[:6])
+        head += f" Nodes per target pass: {roofline['target']['nodes']} ({top}, …)."
     gathered = {**roofline["target"].get("gathered", {})}
     for g in roofline.get("drafter_graphs", {}).values():
         gathered.update(g.get("gathered", {}))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,8 @@ class GraphWeights:
     gathered: dict[str, int] = field(default_factory=dict)  # initializers read only by Gather (rows)
     unused: dict[str, int] = field(default_factory=dict)  # initializers no node reads
     kv_bytes_per_token: int = 0
+    nodes: int = 0  # operator nodes one pass runs (local functions counted by their bodies)
+    ops: dict[str, int] = field(default_factory=dict)  # those nodes by op type, most frequent first
 
     @property
     def has_kv(self) -> bool:
@@ -127,7 +130,23 @@ class GraphWeights:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "streamed_bytes": self.streamed_bytes, "gathered": self.gathered,
-                "unused": self.unused, "kv_bytes_per_token": self.kv_bytes_per_token}
+                "unused": self.unused, "kv_bytes_per_token": self.kv_bytes_per_token, "nodes": self.nodes,
+                "ops": self.ops}
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    """Operator nodes of one pass by op type: a call of a local function counts its body (recursively),
+    as ONNX Runtime inlines it; a graph already optimized by `specrt build` has no functions left."""
+    functions = {(f.domain, f.name): f for f in model.functions}
+
+    def count(nodes) -> Counter:
+        c: Counter = Counter()
+        for n in nodes:
+            body = functions.get((n.domain, n.op_type))
+            c.update(count(body.node) if body is not None else {n.op_type: 1})
+        return c
+
+    return count(model.graph.node)
 
 
 def _uses(graph: onnx.GraphProto) -> dict[str, list[tuple[str, int]]]:
@@ -170,7 +189,9 @@ def graph_weights(onnx_path: str | Path) -> GraphWeights:
             gathered[t.name] = n
         else:
             streamed += n
-    return GraphWeights(str(onnx_path), streamed, gathered, unused, _kv_bytes_per_token(model.graph))
+    ops = op_counts(model)
+    return GraphWeights(str(onnx_path), streamed, gathered, unused, _kv_bytes_per_token(model.graph),
+                        sum(ops.values()), dict(ops.most_common()))
 
 
 def graph_weight_bytes(onnx_path: str | Path) -> int:
