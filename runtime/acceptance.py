@@ -81,6 +81,8 @@ def one_hot_rows(tokens: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def greedy(w: Window, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator):
+    if len(w.tokens) == 1:  # nothing drafted (a plain step): the op would return ([], argmax of the root)
+        return [], int(logits[0].argmax())
     path, nxt = _session("greedy").run(None, {"target_logits": logits.astype(np.float32), **_tree_feeds(w)})
     return path.tolist(), int(nxt)
 

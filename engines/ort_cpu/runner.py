@@ -98,7 +98,9 @@ class OrtDecoder(Decoder):
         for name in self.output_names:
             b.bind_output(name)
         self.session.run_with_iobinding(b)
-        return {name: v.numpy() for name, v in zip(self.output_names, b.get_outputs(), strict=False)}
+        # the non-KV outputs are bound first: read just those (get_outputs() wraps all 2·layers + n)
+        values = b._iobinding.get_outputs() if hasattr(b, "_iobinding") else b.get_outputs()
+        return {name: values[i].numpy() for i, name in enumerate(self.output_names)}
 
     def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
         """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer, in
