@@ -1,0 +1,104 @@
+"""Time one target pass shape of a bundle through specrt's own runtime, in this process only.
+
+    python scripts/pass_costs.py prefill BUNDLE --tokens 2000      a prompt's prefill (in the runtime's
+                                                                   chunks), seconds and peak RSS
+    python scripts/pass_costs.py verify BUNDLE --context 200       verify(k) for k = 1, 2, 4, 8, 16: the
+                                                                   median ms of one k-row pass
+    python scripts/pass_costs.py prefill-ortgenai MODEL_DIR --tokens 2000   the same prefill in
+                                                                   onnxruntime-genai (`make peer-models`)
+
+Run each in its own process (peak RSS is the process's); token ids are random (seed 0), so a
+measurement needs no tokenizer. Used for docs/performance.md's prefill and pass-cost tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import numpy as np
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prefill(bundle: str, tokens: int, threads: int) -> dict:
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(bundle, "plain", max_seq_len=tokens + 64, threads=threads)
+    ids = np.random.default_rng(0).integers(0, gen.manifest.target.config.vocab_size, tokens).tolist()
+    gen.forward(ids[:8], 0, rows=[7])  # warm-up
+    seq = gen.sequence(ids, 1)
+    t0 = time.perf_counter()
+    for p in seq.prefill_passes():
+        gen.run_pass(p)
+    seconds = time.perf_counter() - t0
+    return {"engine": "specrt", "tokens": tokens, "seconds": round(seconds, 3),
+            "ms_per_token": round(1e3 * seconds / tokens, 3), "peak_rss_mb": round(_rss_mb()),
+            "exec_mode": gen.exactness.mode.name}
+
+
+def verify(bundle: str, context: int, threads: int, repeats: int = 20) -> dict:
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(bundle, "plain", max_seq_len=context + 64, threads=threads)
+    rng = np.random.default_rng(0)
+    vocab = gen.manifest.target.config.vocab_size
+    gen.forward(rng.integers(0, vocab, context).tolist(), 0, rows=[context - 1])
+    ms = {}
+    for k in (1, 2, 4, 8, 16):
+        times = []
+        for _ in range(repeats):
+            window = rng.integers(0, vocab, k).tolist()
+            t0 = time.perf_counter()
+            gen.forward(window, context)
+            times.append(time.perf_counter() - t0)
+        ms[k] = round(1e3 * float(np.median(times)), 2)
+    return {"engine": "specrt", "context": context, "verify_ms": ms,
+            "ratio_to_1": {k: round(v / ms[1], 2) for k, v in ms.items()}, "exec_mode": gen.exactness.mode.name}
+
+
+def prefill_ortgenai(model_dir: str, tokens: int, threads: int) -> dict:
+    import onnxruntime_genai as og
+
+    cfg = og.Config(model_dir)
+    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(cfg)
+    ids = np.random.default_rng(0).integers(0, 40000, tokens).astype(np.int32)
+
+    def run(n: int) -> float:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=n + 8, do_sample=False)
+        g = og.Generator(model, params)
+        t0 = time.perf_counter()
+        g.append_tokens(ids[:n])
+        return time.perf_counter() - t0
+
+    run(8)  # warm-up
+    seconds = run(tokens)
+    return {"engine": "onnxruntime-genai", "tokens": tokens, "seconds": round(seconds, 3),
+            "ms_per_token": round(1e3 * seconds / tokens, 3), "peak_rss_mb": round(_rss_mb())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["prefill", "verify", "prefill-ortgenai"])
+    ap.add_argument("path", help="a bundle folder (an onnxruntime-genai model folder for prefill-ortgenai)")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if a.what == "prefill":
+        out = prefill(a.path, a.tokens, a.threads)
+    elif a.what == "verify":
+        out = verify(a.path, a.context, a.threads)
+    else:
+        out = prefill_ortgenai(a.path, a.tokens, a.threads)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
