@@ -6,6 +6,8 @@
     ort-cuda    ONNX Runtime's CUDA provider (`pip install onnxruntime-gpu`), CUDA graphs per bucket
     trt         TensorRT engines built by `specrt build --backend trt`; needs `engine_path` and
                 `max_window` (see `trt_options`), batch 1, KV capacity as built
+    ort-fused   ONNX Runtime on the CPU, each layer's attention one GroupQueryAttention node
+                (engines/ort_cpu/fuse.py, written by `specrt build`): faster, verifies chains only, batch 1
 
 Every factory takes (path, cfg, capacity, threads, batch, spin) plus its own keyword options.
 """
@@ -61,6 +63,8 @@ class Backend:
     bundle_options: Callable[..., dict] | None = None  # (bundle, manifest, role, capacity) -> options
     max_batch: int = 64  # KV slots one decoder can hold
     pinned_capacity: bool = False  # True: built for one KV capacity (TensorRT engines)
+    graph_file: Callable[..., Path] | None = None  # (bundle, manifest, role) -> the ONNX file it runs
+    trees: bool = True  # False: tree rows are not bitwise those of chains (runtime verifies chains only)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -69,6 +73,9 @@ BACKENDS: dict[str, Backend] = {
     "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
     "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",
                    lambda *a: trt_options(*a), max_batch=1, pinned_capacity=True),
+    # GroupQueryAttention takes several new rows after a cached prefix only at batch 1
+    "ort-fused": Backend(_ort, "ONNX Runtime on the CPU, attention fused (GroupQueryAttention): chains only, batch 1",
+                         graph_file=lambda *a: fused_graph(*a), max_batch=1, trees=False),
 }
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 
@@ -106,10 +113,25 @@ def trt_options(bundle: Path, manifest, role: str, capacity: int) -> dict:
     return {"engine_path": Path(bundle) / built["graphs"][role]["file"], "max_window": int(built["max_window"])}
 
 
+def fused_graph(bundle: Path, manifest, role: str) -> Path:
+    """The `ort-fused` graph of `role` that `specrt build` wrote (engines/ort_cpu/fuse.py)."""
+    built = manifest.artifacts.get("onnxruntime", {}).get("fused", {}).get(role)
+    if not built or not (Path(bundle) / built["file"]).is_file():
+        raise SpecrtError(f"bundle {bundle} has no fused graph for {role}: run `specrt build {bundle}` (it "
+                          "writes one for each decoder graph it can lower), or use --backend ort")
+    return Path(bundle) / built["file"]
+
+
+def graph_path(backend: str, bundle: Path, manifest, role: str) -> Path:
+    """The ONNX file `backend` runs for graph `role` of a bundle."""
+    entry = backend_entry(backend)
+    return entry.graph_file(bundle, manifest, role) if entry.graph_file else manifest.onnx_path(bundle, role)
+
+
 def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int, threads: int = 2,
                  batch: int = 1) -> Decoder:
     """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it."""
     entry = backend_entry(backend)
     options = entry.bundle_options(bundle, manifest, role, capacity) if entry.bundle_options else {}
-    return make_decoder(backend, manifest.onnx_path(bundle, role), manifest.graphs[role].config, capacity, threads,
-                        batch, **options)
+    return make_decoder(backend, graph_path(backend, bundle, manifest, role), manifest.graphs[role].config,
+                        capacity, threads, batch, **options)

@@ -84,21 +84,21 @@ def measure_record(bundle: Path, manifest, threads: int, backend: str, capacity:
                    modes: list[str] | None = None, graph: Path | None = None) -> dict:
     """Measure the target graph (default: the one the runtime loads) on this machine: `direct`, then the
     padded modes until one is invariant, plus any named in `modes`."""
-    from specrt.engines.registry import backend_entry, make_decoder, open_decoder
+    from specrt.engines.registry import backend_entry, graph_path, make_decoder, open_decoder
     from specrt.runtime import invariance
 
     entry = backend_entry(backend)
     batch = min(len(invariance.BATCH), entry.max_batch)
-    graph = Path(graph) if graph is not None else manifest.onnx_path(bundle, "target")
+    graph = Path(graph) if graph is not None else graph_path(backend, bundle, manifest, "target")
     cfg = manifest.target.config
     if entry.pinned_capacity:  # engines built for one capacity (TensorRT): measure at it
         decoder = open_decoder(backend, bundle, manifest, "target", capacity, threads, batch)
     else:
         decoder = make_decoder(backend, graph, cfg, invariance.ROWS + MAX_PAD_ROWS, threads, batch)
-    chosen, measured = invariance.choose(decoder, cfg.vocab_size)
+    chosen, measured = invariance.choose(decoder, cfg.vocab_size, trees=entry.trees)
     for name in modes or ():
         if name not in measured:
-            measured[name] = invariance.measure(decoder, cfg.vocab_size, exec_mode(name))
+            measured[name] = invariance.measure(decoder, cfg.vocab_size, exec_mode(name), trees=entry.trees)
     fp = Fingerprint.here(threads, backend)
     return {"fingerprint": fp.to_dict(), "key": fp.key, "graph": _relative(graph, bundle), "chosen": chosen,
             "measured": measured, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -143,8 +143,10 @@ def resolve(bundle: Path, manifest, threads: int, backend: str = "ort", requeste
     """The execution mode and exactness verdict for running `bundle`'s target here (see the module doc)."""
     if requested != "auto":
         exec_mode(requested)  # a bad name fails before anything is measured
+    from specrt.engines.registry import graph_path
+
     fp = Fingerprint.here(threads, backend)
-    graph = manifest.onnx_path(bundle, "target")
+    graph = graph_path(backend, bundle, manifest, "target")
     record = manifest.artifacts.get(RECORDS, {}).get(record_key({"key": fp.key, "graph": _relative(graph, bundle)}))
     if record is not None and (requested == "auto" or requested in record["measured"]):
         return judge(record, requested, "bundle record")

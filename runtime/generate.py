@@ -175,7 +175,7 @@ class Generator:
             control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
         return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,
                         self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes,
-                        exact=self.lossless)
+                        exact=self.lossless, chains_only=not backend_entry(self.backend).trees)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:

@@ -107,14 +107,15 @@ def _batch(p: _Probe, rng, vocab: int) -> tuple[float, float]:
     return worst, kv
 
 
-def measure(decoder, vocab: int, mode: ExecMode, seed: int = 0) -> dict:
+def measure(decoder, vocab: int, mode: ExecMode, seed: int = 0, trees: bool = True) -> dict:
     """Max |Δlogits| of every check under `mode` on `decoder` (KV rows ≥ ROWS per slot; the batch
-    check needs 3 slots and is None on a batch-1 decoder)."""
+    check needs 3 slots and is None on a batch-1 decoder; the tree check is None for a backend that
+    verifies chains only, `trees=False`)."""
     p = _Probe(shaped(decoder, mode))
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     chain, kv = _chain(p, rng, vocab)
-    out = {"chain": chain, "tree": _tree(p, rng, vocab), "batch": None, "kv": kv}
+    out = {"chain": chain, "tree": _tree(p, rng, vocab) if trees else None, "batch": None, "kv": kv}
     if decoder.batch >= len(BATCH):
         out["batch"], batch_kv = _batch(p, rng, vocab)
         out["kv"] = max(kv, batch_kv)
@@ -123,12 +124,13 @@ def measure(decoder, vocab: int, mode: ExecMode, seed: int = 0) -> dict:
     return out
 
 
-def choose(decoder, vocab: int, modes: list[ExecMode] | None = None, seed: int = 0) -> tuple[str | None, dict]:
+def choose(decoder, vocab: int, modes: list[ExecMode] | None = None, seed: int = 0,
+           trees: bool = True) -> tuple[str | None, dict]:
     """(the first invariant mode, or None; each measured mode's checks). Modes are tried in order
     (default: cheapest first) until one is invariant."""
     measured = {}
     for mode in modes or list(MODES.values()):
-        measured[mode.name] = measure(decoder, vocab, mode, seed)
+        measured[mode.name] = measure(decoder, vocab, mode, seed, trees)
         if measured[mode.name]["invariant"]:
             return mode.name, measured
     return None, measured

@@ -93,8 +93,9 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
                  acceptance: str | None, drafter: Drafter, state: TargetState, capacity: int, eos: set[int],
                  compact: Callable[[int, list[int]], None], control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None, exact: bool = True):
-        """`exact`: whether the target's passes give plain decoding's rows here (runtime/exactness.py)."""
+                 max_nodes: int | None = None, exact: bool = True, chains_only: bool = False):
+        """`exact`: whether the target's passes give plain decoding's rows here (runtime/exactness.py);
+        `chains_only`: the target verifies chains only (a tree proposal is cut to its top-ranked path)."""
         self.sampling = sampling or SamplingParams()
         self.rule_name, self.rule = acceptance_for(acceptance, self.sampling)
         check_prompt(prompt_ids, capacity)
@@ -105,6 +106,7 @@ class Sequence:
         self.needs_hidden = drafter.needs_hidden
         self.max_new_tokens = max_new_tokens
         self.exact = exact
+        self.chains_only = chains_only
         self.tokens = list(prompt_ids)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -196,6 +198,8 @@ class Sequence:
             if depth > 0:
                 prop = self.drafter.propose(self.tokens, max_nodes, depth, self.sampling, self.rng)
             prop = prop.limited(max_nodes, depth)
+            if self.chains_only:
+                prop = prop.first_path()
             tree = prop.tree()
             window = np.asarray([self.tokens[-1], *prop.tokens], np.int64)
         return Pass(window, len(self.tokens) - 1, tree, np.arange(tree.size), prop, depth, t.elapsed)

@@ -2,16 +2,21 @@
 
 The saved graph uses only ONNX Runtime's portable (extended) optimizations, so it runs on any CPU
 with the same ONNX Runtime version; hardware-specific layout passes still run at session start.
+Decoder graphs also get their `--backend ort-fused` form (`write_fused`).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 
+from specrt.engines.ort_cpu.fuse import fuse_attention
+from specrt.plugins.tree_attention import NAME
 from specrt.schema.manifest import Manifest
 
 
@@ -37,4 +42,24 @@ def build_ort(bundle: Path, manifest: Manifest, threads: int = 2) -> dict:
             (Path(scratch) / data).replace(dst.with_name(data))
             (Path(scratch) / dst.name).replace(dst)
         entry["graphs"][role] = {"file": str(dst.relative_to(bundle)), "seconds": round(time.perf_counter() - t0, 2)}
+        fused = write_fused(src, graph.config)
+        if fused is not None:
+            entry.setdefault("fused", {})[role] = {"file": str(fused.relative_to(bundle))}
     return entry
+
+
+def write_fused(src: Path, cfg) -> Path | None:
+    """`<graph>.ort-fused.onnx` beside a decoder graph, its attention lowered for `--backend ort-fused`
+    (engines/ort_cpu/fuse.py); it reads the graph's own external weights file. None: not lowerable."""
+    model = onnx.load(str(src), load_external_data=False)
+    if not any(n.op_type == NAME for n in model.graph.node):
+        return None
+    fused = fuse_attention(model, cfg)
+    if fused is None:
+        return None
+    dst = src.with_name(src.stem + ".ort-fused.onnx")
+    fd, tmp = tempfile.mkstemp(dir=src.parent, prefix=dst.name, suffix=".tmp")
+    os.close(fd)
+    onnx.save_model(fused, tmp)  # weights stay in the source's external data file
+    os.replace(tmp, dst)
+    return dst

@@ -39,6 +39,19 @@ class Proposal:
     def tree(self) -> Tree:
         return Tree.from_parents([-1, *self.parents])
 
+    def first_path(self) -> Proposal:
+        """The chain of top-ranked children from the root (a chain is returned as it is): what a backend
+        that verifies chains only (`--backend ort-fused`) verifies of a tree."""
+        tree = self.tree()
+        if tree.is_chain:
+            return self
+        keep, node = [], 0
+        while kids := tree.children(node):
+            node = kids[0]  # siblings are in rank order
+            keep.append(node)
+        return Proposal([self.tokens[w - 1] for w in keep], list(range(len(keep))),
+                        None if self.q is None else self.q[[w - 1 for w in keep]])
+
     def limited(self, max_nodes: int, max_depth: int) -> Proposal:
         """Keep the nodes within both limits (a prefix in window order stays a valid tree)."""
         if max_nodes <= 0 or max_depth <= 0:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from specrt.engines.registry import BACKENDS
 from specrt.paths import default_bundle
 from specrt.runtime.exec_modes import MODES as EXEC_MODES
 
@@ -32,10 +33,12 @@ def runtime_options(f):
                      help="KV capacity in tokens (prompt + output). Default: min(2048, model maximum)."),
         click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
                      help="ONNX Runtime intra-op threads."),
-        click.option("--backend", type=click.Choice(["ort", "ort-device", "ort-cuda", "trt"]), default="ort",
-                     show_default=True, help="The target's backend: ort (ONNX Runtime, CPU), ort-cuda (ONNX Runtime's "
-                     "CUDA provider, onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), "
-                     "ort-device (the device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU."),
+        click.option("--backend", type=click.Choice(list(BACKENDS)), default="ort",
+                     show_default=True, help="The target's backend: ort (ONNX Runtime, CPU), ort-fused (ONNX Runtime, "
+                     "CPU, attention fused into GroupQueryAttention by `specrt build`: faster; it verifies chains "
+                     "only, so a tree draft is cut to its top-ranked path), ort-cuda (ONNX Runtime's CUDA provider, "
+                     "onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), ort-device (the "
+                     "device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU."),
         click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=None,
                      help="Chain length when no --tree is given (default 5; the deepest draft with --adaptive)."),
         click.option("--adaptive/--fixed-depth", default=None,

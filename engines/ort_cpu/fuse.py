@@ -1,0 +1,139 @@
+"""The `ort-fused` lowering: each layer's attention block as one ONNX Runtime GroupQueryAttention node.
+
+The exported decoder graph (export/decoder_graph.py) spends about 22 nodes per layer between the
+q|k|v projection and o_proj: reshape and transpose to heads, split, RotaryEmbedding, the two
+TensorScatter KV writes, the specrt::TreeAttention body, transpose back. ONNX Runtime's contrib op
+`com.microsoft.GroupQueryAttention` does all of it in one kernel — rotary on q and k from cos/sin
+tables at `position_ids`, the new K/V rows written into the shared (in-place) cache at each
+sequence's `past_len`, attention over the valid prefix — with the tree mask as an additive
+`attention_bias`. On a 2-core CPU that makes a pass 20–30 % faster (docs/performance.md).
+
+What it does not keep: tree rows. GroupQueryAttention's softmax sums a row's visible columns where the
+tree put them, with masked columns between, so a tree node's logits are not bitwise those of the same
+tokens as a chain (TreeAttention permutes the columns for that). Chains — prefill, plain decoding,
+chain verification, ragged batches of chains — keep their rows (measured per machine like any graph:
+runtime/exactness.py), so the backend is registered as verifying chains only and the runtime cuts a
+tree proposal to its top-ranked path there.
+
+The lowering reads the writer's own scopes (`/model/layers.{i}/self_attn/...`), so it applies to
+graphs specrt exported; one it cannot lower (qk-norm, or another layout) returns None.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specrt.plugins.tree_attention import MASK_VALUE, NAME
+from specrt.schema.config import DecoderConfig
+
+DOMAIN = "com.microsoft"
+PREFIX = "gqa"  # names of the shared tensors this lowering adds
+MIN_ROTARY_ROWS = 8192  # cos/sin table rows at least (GroupQueryAttention needs one per KV row it attends)
+
+
+def _consts(cfg: DecoderConfig) -> list[onnx.TensorProto]:
+    pos = np.arange(max(cfg.max_position_embeddings, MIN_ROTARY_ROWS), dtype=np.float32)[:, None]
+    freqs = pos * np.asarray(cfg.rope_inv_freq, np.float32)[None]  # [max_pos, d/2], as the graph's rotary
+    scale = np.float32(cfg.rope_attention_scaling)
+    arrays = {"cos_cache": np.cos(freqs) * scale, "sin_cache": np.sin(freqs) * scale,
+              "i0": np.array(0, np.int64), "i1": np.array(1, np.int64), "ax0": np.array([0], np.int64),
+              "ax1": np.array([1], np.int64), "zero": np.array(0.0, np.float32),
+              "masked": np.array(MASK_VALUE, np.float32)}
+    return [numpy_helper.from_array(np.ascontiguousarray(a), f"{PREFIX}.{k}") for k, a in arrays.items()]
+
+
+def _shared_nodes() -> list[onnx.NodeProto]:
+    """seqlens_k = past_len + T - 1 (int32), total = max(past_len) + T (int32 scalar), and the additive
+    bias [B, 1, T, total]: 0 where row t sees column j (j < past_len, or tree_mask[t, j - past_len]),
+    MASK_VALUE elsewhere — the mask TreeAttention builds."""
+    p = PREFIX
+
+    def n(op, ins, out, **kw):
+        return helper.make_node(op, [f"{p}.{i}" if not i.startswith(("past_len", "tree_mask", "input_ids")) else i
+                                     for i in ins], [f"{p}.{out}"], name=f"/{p}/{out}", **kw)
+
+    return [
+        n("Shape", ["input_ids"], "t", start=1, end=2),
+        n("Add", ["past_len", "t"], "end"),
+        n("Sub", ["end", "ax1"], "last"),
+        n("Cast", ["last"], "seqlens_k", to=TensorProto.INT32),
+        n("ReduceMax", ["end"], "total64", keepdims=0),
+        n("Cast", ["total64"], "total", to=TensorProto.INT32),
+        n("Range", ["i0", "total64", "i1"], "j"),
+        n("Unsqueeze", ["j", "ax0"], "j2"),
+        n("Unsqueeze", ["past_len", "ax1"], "p2"),
+        n("Sub", ["j2", "p2"], "rel"),  # [B, L]: index into the window
+        n("Squeeze", ["t", "ax0"], "ts"),
+        n("Sub", ["ts", "i1"], "last_row"),
+        n("Clip", ["rel", "i0", "last_row"], "idx"),
+        n("Unsqueeze", ["idx", "ax1"], "idx3"),
+        n("Concat", ["ax1", "t", "ax1"], "rep", axis=0),
+        n("Expand", ["idx3", "rep"], "idx_t"),  # [B, T, L]
+        n("GatherElements", ["tree_mask", "idx_t"], "seen", axis=2),
+        n("GreaterOrEqual", ["rel", "i0"], "after"),
+        n("Less", ["rel", "ts"], "before_end"),
+        n("And", ["after", "before_end"], "in_new"),
+        n("Unsqueeze", ["in_new", "ax1"], "in_new3"),
+        n("And", ["seen", "in_new3"], "seen_new"),
+        n("Less", ["rel", "i0"], "in_prefix"),
+        n("Unsqueeze", ["in_prefix", "ax1"], "in_prefix3"),
+        n("Or", ["in_prefix3", "seen_new"], "allowed"),
+        n("Where", ["allowed", "zero", "masked"], "bias3"),
+        n("Unsqueeze", ["bias3", "ax1"], "bias"),  # [B, 1, T, L]
+    ]
+
+
+def fuse_attention(model: onnx.ModelProto, cfg: DecoderConfig) -> onnx.ModelProto | None:
+    """A copy of `model` with every layer's attention block replaced by GroupQueryAttention; None when a
+    layer does not have the block this lowering knows (the graph is then left as it is)."""
+    if cfg.qk_norm:  # GroupQueryAttention has no per-head norm between the projection and rotary
+        return None
+    nodes = list(model.graph.node)
+    kept, per_layer = [], {}
+    for node in nodes:
+        if "/self_attn/" in node.name and not any(s in node.name for s in ("/qkv_proj/", "/o_proj/")):
+            layer = node.name.split("/layers.")[1].split("/")[0] if "/layers." in node.name else None
+            if layer is None:
+                return None
+            per_layer.setdefault(int(layer), []).append(node)
+            continue
+        kept.append(node)
+    if sorted(per_layer) != list(range(cfg.num_layers)):
+        return None
+    heads = {}
+    for i, block in per_layer.items():
+        ops = [n.op_type for n in block]
+        if ops.count(NAME) != 1 or ops.count("TensorScatter") != 2 or ops[0] != "Reshape":
+            return None
+        inside = {o for n in block for o in n.output}
+        heads[i] = (block[0].input[0], next(o for n in block if n.op_type == "Reshape" and n is not block[0]
+                                            for o in n.output))
+        if heads[i][0] in inside:
+            return None
+    out = []
+    for node in kept:
+        out.append(node)
+        for i, (qkv, attn_out) in heads.items():
+            if qkv in node.output:
+                out.append(helper.make_node(
+                    "GroupQueryAttention",
+                    [qkv, "", "", f"past_key.{i}", f"past_value.{i}", f"{PREFIX}.seqlens_k", f"{PREFIX}.total",
+                     f"{PREFIX}.cos_cache", f"{PREFIX}.sin_cache", "position_ids", f"{PREFIX}.bias"],
+                    [attn_out, f"present_key.{i}", f"present_value.{i}"], domain=DOMAIN,
+                    name=f"/model/layers.{i}/self_attn/GroupQueryAttention", num_heads=cfg.num_heads,
+                    kv_num_heads=cfg.num_kv_heads, scale=1.0,  # 1/sqrt(d) is folded into q's weights
+                    do_rotary=1, rotary_interleaved=0, local_window_size=-1))
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    del fused.graph.node[:]
+    fused.graph.node.extend(_shared_nodes() + out)
+    fused.graph.initializer.extend(_consts(cfg))
+    kept_functions = [f for f in fused.functions if f.name != NAME]  # TreeAttention is no longer called
+    del fused.functions[:]
+    fused.functions.extend(kept_functions)
+    if not any(o.domain == DOMAIN for o in fused.opset_import):
+        fused.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    fused.doc_string = model.doc_string + " · attention lowered to com.microsoft.GroupQueryAttention (ort-fused)"
+    return fused

@@ -1,0 +1,118 @@
+"""The `ort-fused` backend: each layer's attention lowered to GroupQueryAttention (engines/ort_cpu/fuse.py).
+
+On the tiny 2-layer Llama (fp32) the fused graph computes what the exported graph computes — logits
+and the KV rows it writes, to rounding — for a prefill, a chain and a tree; the runtime then verifies
+chains only on it (a tree proposal is cut to its top-ranked path) and judges its exactness like any
+graph's, so speculative output equals its own plain output wherever it says lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt.engines.ort_cpu.build import build_ort
+from specrt.engines.ort_cpu.fuse import fuse_attention
+from specrt.engines.ort_cpu.runner import OrtDecoder
+from specrt.engines.registry import BACKENDS, fused_graph
+from specrt.errors import SpecrtError
+from specrt.plugins.tree_attention import NAME
+from specrt.runtime.drafters import Proposal
+from specrt.runtime.tree import Tree
+from specrt.schema.manifest import Manifest
+from specrt.tools.roofline import op_counts
+
+CAPACITY = 64
+
+
+@pytest.fixture(scope="module")
+def built(tiny_bundle, tmp_path_factory):
+    """A copy of the tiny bundle after `specrt build`'s ONNX Runtime step (which writes the fused graphs)."""
+    bundle = tmp_path_factory.mktemp("fused") / "bundle"
+    shutil.copytree(tiny_bundle, bundle)
+    manifest = Manifest.load(bundle)
+    manifest.artifacts["onnxruntime"] = build_ort(bundle, manifest, threads=1)
+    manifest.save(bundle)
+    return bundle, Manifest.load(bundle)
+
+
+def _run(dec: OrtDecoder, tokens, past: int, tree: Tree) -> dict:
+    t = tree.size
+    return dec.run_all(np.asarray([tokens], np.int64), (past + tree.depth)[None].astype(np.int64),
+                       np.array([past], np.int64), tree.mask[None], np.arange(t)[None].astype(np.int64))
+
+
+def test_build_writes_a_fused_graph_for_each_decoder(built):
+    bundle, manifest = built
+    assert set(manifest.artifacts["onnxruntime"]["fused"]) == {"target", "draft"}
+    model = onnx.load(str(fused_graph(bundle, manifest, "target")), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    cfg = manifest.target.config
+    assert ops.count("GroupQueryAttention") == cfg.num_layers and NAME not in ops and "TensorScatter" not in ops
+    original = onnx.load(str(bundle / manifest.graphs["target"].file), load_external_data=False)
+    assert sum(op_counts(model).values()) < sum(op_counts(original).values()) / 2  # function bodies counted
+
+
+def test_fused_graph_computes_what_the_exported_graph_computes(built):
+    bundle, manifest = built
+    cfg = manifest.target.config
+    plain = OrtDecoder(bundle / manifest.graphs["target"].file, cfg, CAPACITY, threads=1)
+    fused = OrtDecoder(fused_graph(bundle, manifest, "target"), cfg, CAPACITY, threads=1)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, 20).tolist()
+    tree = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    for tokens, past, shape in ((prompt, 0, Tree.chain(19)), (rng.integers(0, cfg.vocab_size, 4).tolist(), 20,
+                                                              Tree.chain(3)),
+                                (rng.integers(0, cfg.vocab_size, tree.size).tolist(), 20, tree)):
+        a, b = _run(plain, tokens, past, shape), _run(fused, tokens, past, shape)
+        np.testing.assert_allclose(b["logits"], a["logits"], atol=2e-4, rtol=1e-4)
+        assert (b["logits"].argmax(-1) == a["logits"].argmax(-1)).all()
+        for buf_a, buf_b in zip(plain.kv, fused.kv, strict=True):  # the rows each pass wrote, in place
+            np.testing.assert_allclose(buf_b[:, :, : past + len(tokens)], buf_a[:, :, : past + len(tokens)],
+                                       atol=1e-5)
+
+
+def test_a_graph_it_cannot_lower_is_left_alone(built):
+    bundle, manifest = built
+    model = onnx.load(str(bundle / manifest.graphs["target"].file), load_external_data=False)
+    assert fuse_attention(model, dataclasses.replace(manifest.target.config, qk_norm=True)) is None
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    for n in renamed.graph.node:
+        n.name = n.name.replace("/layers.1/", "/block.1/")
+    assert fuse_attention(renamed, manifest.target.config) is None
+
+
+def test_the_backend_needs_a_built_bundle(tiny_bundle):
+    with pytest.raises(SpecrtError, match="specrt build"):
+        fused_graph(tiny_bundle, Manifest.load(tiny_bundle), "target")
+    assert BACKENDS["ort-fused"].trees is False and BACKENDS["ort-fused"].max_batch == 1
+
+
+def test_a_tree_proposal_is_cut_to_its_top_ranked_path():
+    q = np.eye(6, dtype=np.float32)
+    prop = Proposal([10, 11, 12, 13, 14], [0, 0, 1, 1, 3], q[:5])  # root→10→12→14, 11 and 13 siblings
+    path = prop.first_path()
+    assert path.tokens == [10, 12, 14] and path.parents == [0, 1, 2] and path.tree().is_chain
+    assert np.array_equal(path.q, q[[0, 2, 4]])
+    chain = Proposal([1, 2], [0, 1])
+    assert chain.first_path() is chain
+
+
+def test_speculation_on_the_fused_backend_reproduces_its_own_plain_output(built):
+    from specrt.runtime.generate import Generator
+
+    bundle, _ = built
+    plain = Generator(bundle, "plain", max_seq_len=96, threads=1, backend="ort-fused")
+    assert plain.exactness.mode is not None and plain.exactness.to_dict()["lossless"] in (True, False)
+    prompt = [5, 17, 99, 5, 17, 99, 5, 17]
+    want = plain.generate_ids(prompt, 24).token_ids
+    for drafter, tree in (("ngram", None), ("draft", "binary")):  # a chain, and a static tree cut to a chain
+        gen = plain.use(drafter, tree)
+        res = gen.generate_ids(prompt, 24)
+        if gen.lossless:
+            assert res.token_ids == want, drafter
