@@ -333,18 +333,18 @@ def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None,
     return {f"specrt-{scheme}-plain": Peer(run, reference=None, settings={"bundle": str(bundle)})}
 
 
-def exec_mode_peers(bundle: Path, mode: str, drafters: list[str], threads: int,
-                    max_seq_len: int | None = None, in_process: bool = False) -> dict[str, Peer]:
-    """The same bundle run in execution mode `mode` (e.g. `direct`, unpadded), plain and with each
-    drafter: what the mode the runtime chose costs or saves, measured in the same run. Speculation runs
-    even where `mode` is not exact here (allow_inexact); `identical_to_plain` then shows what that costs.
-    Runs in its own worker unless `in_process`."""
+def variant_peers(bundle: Path, tag: str, drafters: list[str], threads: int, max_seq_len: int | None = None,
+                  in_process: bool = False, **options) -> dict[str, Peer]:
+    """The same bundle under other Generator `options` (an execution mode, a backend), plain and with each
+    drafter, in its own worker unless `in_process`: `specrt-TAG-plain` is its own reference (an engine
+    of its own), each drafter is checked against it, and `same_as_specrt_plain` says whether its plain
+    output equals the main run's."""
     if not in_process:
-        return in_workers({SPECRT_BUNDLE: (exec_mode_peers, (Path(bundle), mode, list(drafters), threads,
-                                                             max_seq_len), {"in_process": True})})
+        return in_workers({SPECRT_BUNDLE: (variant_peers, (Path(bundle), tag, list(drafters), threads, max_seq_len),
+                                           {"in_process": True, **options})})
     from specrt.runtime.generate import Generator
 
-    gen = Generator(bundle, "plain", max_seq_len=max_seq_len, threads=threads, exec_mode=mode, allow_inexact=True)
+    gen = Generator(bundle, "plain", max_seq_len=max_seq_len, threads=threads, **options)
 
     def runner(drafter: str):
         def run(ids: list[int], max_new_tokens: int):
@@ -353,10 +353,24 @@ def exec_mode_peers(bundle: Path, mode: str, drafters: list[str], threads: int,
 
         return run
 
-    plain = f"specrt-{mode}-plain"
-    settings = {"bundle": str(bundle), "exec_mode": mode, "batch_invariant": gen.exactness.lossless}
+    plain = f"specrt-{tag}-plain"
+    settings = {"bundle": str(bundle), **options, "batch_invariant": gen.exactness.lossless}
     peers = {plain: Peer(runner("plain"), reference=None, settings=settings)}
     for d in drafters:
         if d != "plain":
-            peers[f"specrt-{mode}-{d}"] = Peer(runner(d), reference=plain, settings=settings)
+            peers[f"specrt-{tag}-{d}"] = Peer(runner(d), reference=plain, settings=settings)
     return peers
+
+
+def backend_peers(bundle: Path, backend: str, drafters: list[str], threads: int,
+                  max_seq_len: int | None = None) -> dict[str, Peer]:
+    """The same bundle on another backend (e.g. `ort-fused`): what it saves, measured in the same run."""
+    return variant_peers(bundle, backend, drafters, threads, max_seq_len, backend=backend)
+
+
+def exec_mode_peers(bundle: Path, mode: str, drafters: list[str], threads: int,
+                    max_seq_len: int | None = None) -> dict[str, Peer]:
+    """The same bundle run in execution mode `mode` (e.g. `direct`, unpadded), plain and with each
+    drafter: what the mode the runtime chose costs or saves, measured in the same run. Speculation runs
+    even where `mode` is not exact here (allow_inexact); `identical_to_plain` then shows what that costs."""
+    return variant_peers(bundle, mode, drafters, threads, max_seq_len, exec_mode=mode, allow_inexact=True)

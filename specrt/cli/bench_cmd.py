@@ -56,6 +56,9 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--exec-mode-baseline", "mode_baseline", type=click.Choice(list(EXEC_MODES)), default=None,
               help="Also run plain and every drafter in this execution mode (e.g. direct, unpadded) in the same "
                    "run, as peers specrt-MODE-DRAFTER: what the mode in use costs, and whether MODE is exact here.")
+@click.option("--backend-baseline", "backend_baseline", type=click.Choice(["ort", "ort-fused"]), default=None,
+              help="Also run plain and every drafter on this backend (e.g. ort-fused, attention fused into "
+                   "GroupQueryAttention) in the same run, in its own process, as peers specrt-BACKEND-DRAFTER.")
 @click.option("--trees", default=None,
               help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
                    "Default: just --tree.")
@@ -67,8 +70,8 @@ def _prompts(spec: str | None, per_category: int | None):
               "bandwidth, measured after the benchmark).")
 @runtime_options
 @sampling_options
-def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, mode_baseline, trees,
-            raw, json_out, report_dir, temperature, top_k, top_p, seed, **runtime):
+def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, peer_names, baseline, mode_baseline,
+            backend_baseline, trees, raw, json_out, report_dir, temperature, top_k, top_p, seed, **runtime):
     """Benchmark drafters on BUNDLE: tokens/s, speedup vs plain, τ, and output identity."""
     from specrt.tools.bench import format_table, run_bench
     from specrt.tools.peer_worker import close_peers
@@ -94,6 +97,10 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
             from specrt.tools.peers import exec_mode_peers
 
             peers.update(exec_mode_peers(gen.bundle, mode_baseline, names, gen.threads, gen.capacity))
+        if backend_baseline is not None:
+            from specrt.tools.peers import backend_peers
+
+            peers.update(backend_peers(gen.bundle, backend_baseline, names, gen.threads, gen.capacity))
         result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
                            trees=tree_list, sampling=sampling)
     finally:
