@@ -293,24 +293,40 @@ def llama_peers(real_bundle):
     return make_peers("llamacpp", Manifest.load(real_bundle), os.cpu_count() or 2)
 
 
+# (prompt, new tokens): one that stops early at EOS, one that copies its prompt (prompt lookup pays)
+GREEDY_PROMPTS = (("What is the capital of France? Answer in one word.", 48),
+                  ("Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat", 40))
+
+
+def greedy_run(peer, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    """One run of a peer: at most n new tokens, timed, stopping at the first EOS (which it keeps)."""
+    out, seconds = peer.run(ids, n)
+    assert 0 < len(out) <= n and seconds > 0
+    assert all(t not in eos for t in out[:-1]) and (len(out) == n or out[-1] in eos)
+    return out
+
+
+def plain_runs(peers: dict, family: str, manifest, tok):
+    """A family's engines and references, then its plain engine on GREEDY_PROMPTS, each run twice
+    (deterministic, no state carried over): yields (prompt, ids, n, plain output)."""
+    assert list(peers) == PEER_NAMES[family]
+    assert peers[f"{family}-prompt-lookup"].reference == f"{family}-plain"
+    eos = set(manifest.target.config.eos_token_ids)
+    for prompt, n in GREEDY_PROMPTS:
+        ids = tok.encode_prompt(prompt)
+        plain = greedy_run(peers[f"{family}-plain"], ids, n, eos)
+        assert peers[f"{family}-plain"].run(ids, n)[0] == plain
+        yield prompt, ids, n, plain
+
+
 @pytest.mark.slow
 @needs_llama_cpp
 def test_llamacpp_peers_decode_the_source_gguf_greedily(real_bundle, real_generator, llama_peers,
                                                          default_gguf):
     manifest = Manifest.load(real_bundle)
     assert manifest.target.source == str(default_gguf)
-    assert list(llama_peers) == PEER_NAMES["llamacpp"]
-    assert llama_peers["llamacpp-prompt-lookup"].reference == "llamacpp-plain"
-    eos = set(manifest.target.config.eos_token_ids)
     tok = real_generator.tokenizer
-    for prompt, n in (("What is the capital of France? Answer in one word.", 48),
-                      ("Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat", 40)):
-        ids = tok.encode_prompt(prompt)
-        plain, seconds = llama_peers["llamacpp-plain"].run(ids, n)
-        assert 0 < len(plain) <= n and seconds > 0
-        assert all(t not in eos for t in plain[:-1])  # stops at the first EOS, which it keeps
-        assert len(plain) == n or plain[-1] in eos
-        assert llama_peers["llamacpp-plain"].run(ids, n)[0] == plain  # deterministic, no state carried over
+    for prompt, ids, n, plain in plain_runs(llama_peers, "llamacpp", manifest, tok):
         assert llama_peers["llamacpp-prompt-lookup"].run(ids, n)[0] == plain
         if prompt.startswith("What"):
             assert "Paris" in tok.decode(plain)
@@ -370,17 +386,9 @@ def test_ortgenai_peers_decode_greedily(real_bundle, real_generator):
         pytest.skip(f"{ortgenai_dir(manifest.target.source)} is not built: make peer-models")
     peers = make_peers("ortgenai", manifest, 2)
     try:
-        assert list(peers) == PEER_NAMES["ortgenai"]
-        assert peers["ortgenai-prompt-lookup"].reference == "ortgenai-plain"
         eos = set(manifest.target.config.eos_token_ids)
         tok = real_generator.tokenizer
-        for prompt, n in (("What is the capital of France? Answer in one word.", 48),
-                          ("Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat", 40)):
-            ids = tok.encode_prompt(prompt)
-            plain, seconds = peers["ortgenai-plain"].run(ids, n)
-            assert 0 < len(plain) <= n and seconds > 0
-            assert all(t not in eos for t in plain[:-1]) and (len(plain) == n or plain[-1] in eos)
-            assert peers["ortgenai-plain"].run(ids, n)[0] == plain
+        for _, ids, n, plain in plain_runs(peers, "ortgenai", manifest, tok):
             # its n-gram verification runs several rows per pass, through other kernels than one row's: a
             # near-tie may flip there (measured here: 2 of 4 bench prompts), which the bench's `identical`
             # column reports; the first token comes from the same prefill
