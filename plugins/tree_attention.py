@@ -44,6 +44,24 @@ def reference(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, past_len:
     return out
 
 
+def visibility(g: GraphBuilder, past_len: str, tree_mask: str, t: str, total: str) -> tuple[str, str, str, str]:
+    """The mask as graph nodes in `g`: (j, in_new, idx, add) with j = 0..L-1 (L = `total`), in_new [B, L]
+    whether column j is a window column, idx [B, T, L] its window index (clipped), and the additive
+    mask add [B, T, L] = 0 where row t sees column j (j < past_len, or tree_mask[t, j - past_len]) and
+    MASK_VALUE elsewhere. `t` is the window length T, `total` L (int64 scalars). The function body and
+    the `ort-fused` lowering's attention bias (engines/ort_cpu/fuse.py) both build it here."""
+    zero, one = g.const([0]), g.const([1])
+    j = g.op("Range", g.const(0), total, g.const(1))
+    rel = g.op("Sub", g.op("Unsqueeze", j, zero), g.op("Unsqueeze", past_len, one))  # [B, L]
+    in_new = g.op("And", g.op("GreaterOrEqual", rel, g.const(0)), g.op("Less", rel, t))
+    idx = g.op("Clip", rel, g.const(0), g.op("Sub", t, g.const(1)))
+    idx = g.op("Expand", g.op("Unsqueeze", idx, one), g.op("Concat", one, g.op("Unsqueeze", t, zero), one, axis=0))
+    seen = g.op("And", g.op("GatherElements", tree_mask, idx, axis=2), g.op("Unsqueeze", in_new, one))
+    allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)  # [B, T, L]
+    add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
+    return j, in_new, idx, add
+
+
 def function() -> onnx.FunctionProto:
     """The op as an ONNX local function whose body uses standard ops only.
 
@@ -66,24 +84,9 @@ def function() -> onnx.FunctionProto:
     heads, kv_heads, head_dim = (g.op("Unsqueeze", g.attr_int(a), zero) for a in SHAPE_ATTRS)
     groups = g.op("Div", heads, kv_heads)
     with g.scope("mask"):
-        j = g.op("Range", g.const(0), total, g.const(1))
-        rel = g.op("Sub", g.op("Unsqueeze", j, zero), g.op("Unsqueeze", past_len, one))  # [B, L]
-        in_new = g.op("And", g.op("GreaterOrEqual", rel, g.const(0)), g.op("Less", rel, t))
-        idx = g.op("Clip", rel, g.const(0), g.op("Sub", t, g.const(1)))
-        idx = g.op("Expand", g.op("Unsqueeze", idx, one), g.op("Concat", one, g.op("Unsqueeze", t, zero), one, axis=0))
-        seen = g.op("And", g.op("GatherElements", tree_mask, idx, axis=2), g.op("Unsqueeze", in_new, one))
-        allowed = g.op("Or", g.op("Unsqueeze", g.op("Less", rel, g.const(0)), one), seen)  # [B, T, L]
-        add = g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_VALUE, np.float32))
+        j, in_new, idx, add = visibility(g, past_len, tree_mask, t, total)
         rep = g.op("Concat", one, groups, one, axis=0)
         t_1d = g.op("Unsqueeze", t, zero)
-        # the mask and indices are spread to full size [B, KV, G*T, ·] from the shared inputs and
-        # attributes only, so ONNX Runtime computes them once per pass for every layer (common
-        # subexpressions), not per layer, and each layer's Add and gathers run without broadcasting
-
-        def spread_to(p, width):  # [B, T, width] -> [B, KV, G*T, width]
-            shape = g.op("Concat", g.op("Shape", tree_mask, start=0, end=1), kv_heads,
-                         g.op("Mul", groups, t_1d), width, axis=0)
-            return g.op("Expand", g.op("Unsqueeze", g.op("Tile", p, rep), one), shape)
     with g.scope("order"):
         # Column order per row: committed prefix, then the row's ancestors by depth, then the rest.
         # For a chain this is the identity; for a tree it puts an accepted node's visible columns
@@ -107,8 +110,17 @@ def function() -> onnx.FunctionProto:
         pmin = g.op("Unsqueeze", g.op("ReduceMin", past_len, keepdims=0), zero)
         tail = g.op("Sub", total_1d, pmin)
         axis = g.const([2])
-        mask = spread_to(g.op("Slice", add, pmin, total_1d, axis), tail)
-        perm, unperm = (spread_to(g.op("Sub", g.op("Slice", p, pmin, total_1d, axis), pmin), tail) for p in (perm, unperm))
+        # the tail's mask and indices are spread to full size [B, KV, G*T, L - pmin] from the shared
+        # inputs and attributes only, so ONNX Runtime computes them once per pass for every layer
+        # (common subexpressions), not per layer, and each layer's Add and gathers run without broadcasting
+        full = g.op("Concat", g.op("Shape", tree_mask, start=0, end=1), kv_heads, g.op("Mul", groups, t_1d), tail,
+                    axis=0)
+
+        def spread(p):  # [B, T, L - pmin] -> [B, KV, G*T, L - pmin]
+            return g.op("Expand", g.op("Unsqueeze", g.op("Tile", p, rep), one), full)
+
+        mask = spread(g.op("Slice", add, pmin, total_1d, axis))
+        perm, unperm = (spread(g.op("Sub", g.op("Slice", p, pmin, total_1d, axis), pmin)) for p in (perm, unperm))
     head_keys, tail_keys = (g.op("Transpose", g.op("Slice", k_cache, lo, hi, axis), perm=[0, 1, 3, 2])
                             for lo, hi in ((zero, pmin), (pmin, total_1d)))
     values = g.op("Slice", v_cache, zero, total_1d, axis)

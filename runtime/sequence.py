@@ -123,8 +123,8 @@ class Sequence:
         t0 = time.perf_counter()
         for p in self.prefill_passes():
             outs = run(p)
-            self.absorb(p, outs)
-        return self.prefilled(outs["logits"][0], time.perf_counter() - t0)
+            self._absorb(p, outs)
+        return self._prefilled(outs["logits"][0], time.perf_counter() - t0)
 
     def prefill_passes(self) -> list[Pass]:
         """The prompt as causal chunks of at most PREFILL_CHUNK rows, in order, each written at KV rows
@@ -132,19 +132,17 @@ class Sequence:
         as a whole-prompt pass computes them (the same rows as a verify chain), so chunking changes no
         bit where the target's passes are exact, and it keeps a long prompt's attention scores at
         chunk × context instead of context²."""
-        n = len(self.tokens)
         tokens = np.asarray(self.tokens, np.int64)
-        return [Pass(tokens[s : s + PREFILL_CHUNK], s, Tree.chain(min(PREFILL_CHUNK, n - s) - 1),
-                     np.array([min(PREFILL_CHUNK, n - s) - 1]))
-                for s in range(0, n, PREFILL_CHUNK)]
+        chunks = [tokens[s : s + PREFILL_CHUNK] for s in range(0, len(tokens), PREFILL_CHUNK)]
+        return [Pass(c, i * PREFILL_CHUNK, Tree.chain(len(c) - 1), np.array([len(c) - 1])) for i, c in enumerate(chunks)]
 
-    def absorb(self, p: Pass, outs: dict) -> None:
+    def _absorb(self, p: Pass, outs: dict) -> None:
         """After one prefill pass: keep the target features its rows give a feature drafter."""
         if self.needs_hidden:
             rows = np.arange(len(p.window))
             self.state.write(p.past + rows, outs, rows)
 
-    def prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
+    def _prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
         """After the last prefill pass (`logits` [1, V] of the last prompt row): the first token."""
         with Timer(self.stats, "prefill"):
             first = pick(logits[0], self.sampling, self.rng)

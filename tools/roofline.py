@@ -121,8 +121,12 @@ class GraphWeights:
     gathered: dict[str, int] = field(default_factory=dict)  # initializers read only by Gather (rows)
     unused: dict[str, int] = field(default_factory=dict)  # initializers no node reads
     kv_bytes_per_token: int = 0
-    nodes: int = 0  # operator nodes one pass runs (local functions counted by their bodies)
-    ops: dict[str, int] = field(default_factory=dict)  # those nodes by op type, most frequent first
+    ops: dict[str, int] = field(default_factory=dict)  # nodes one pass runs by op type, most frequent first
+
+    @property
+    def nodes(self) -> int:
+        """Operator nodes one pass runs (local functions counted by their bodies)."""
+        return sum(self.ops.values())
 
     @property
     def has_kv(self) -> bool:
@@ -189,9 +193,8 @@ def graph_weights(onnx_path: str | Path) -> GraphWeights:
             gathered[t.name] = n
         else:
             streamed += n
-    ops = op_counts(model)
     return GraphWeights(str(onnx_path), streamed, gathered, unused, _kv_bytes_per_token(model.graph),
-                        sum(ops.values()), dict(ops.most_common()))
+                        dict(op_counts(model).most_common()))
 
 
 def graph_weight_bytes(onnx_path: str | Path) -> int:

@@ -25,7 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.plugins.tree_attention import MASK_VALUE, NAME
+from specrt.plugins.onnx_builder import GraphBuilder
+from specrt.plugins.tree_attention import NAME, visibility
 from specrt.schema.config import DecoderConfig
 
 DOMAIN = "com.microsoft"
@@ -33,56 +34,27 @@ PREFIX = "gqa"  # names of the shared tensors this lowering adds
 MIN_ROTARY_ROWS = 8192  # cos/sin table rows at least (GroupQueryAttention needs one per KV row it attends)
 
 
-def _consts(cfg: DecoderConfig) -> list[onnx.TensorProto]:
+def _rotary_tables(cfg: DecoderConfig) -> list[onnx.TensorProto]:
+    """cos/sin [rows, d/2] at every position, as the exported graph's rotary computes them per token."""
     pos = np.arange(max(cfg.max_position_embeddings, MIN_ROTARY_ROWS), dtype=np.float32)[:, None]
-    freqs = pos * np.asarray(cfg.rope_inv_freq, np.float32)[None]  # [max_pos, d/2], as the graph's rotary
+    freqs = pos * np.asarray(cfg.rope_inv_freq, np.float32)[None]
     scale = np.float32(cfg.rope_attention_scaling)
-    arrays = {"cos_cache": np.cos(freqs) * scale, "sin_cache": np.sin(freqs) * scale,
-              "i0": np.array(0, np.int64), "i1": np.array(1, np.int64), "ax0": np.array([0], np.int64),
-              "ax1": np.array([1], np.int64), "zero": np.array(0.0, np.float32),
-              "masked": np.array(MASK_VALUE, np.float32)}
-    return [numpy_helper.from_array(np.ascontiguousarray(a), f"{PREFIX}.{k}") for k, a in arrays.items()]
+    return [numpy_helper.from_array(np.ascontiguousarray(f(freqs) * scale), f"{PREFIX}.{name}")
+            for name, f in (("cos_cache", np.cos), ("sin_cache", np.sin))]
 
 
 def _shared_nodes() -> list[onnx.NodeProto]:
     """seqlens_k = past_len + T - 1 (int32), total = max(past_len) + T (int32 scalar), and the additive
-    bias [B, 1, T, total]: 0 where row t sees column j (j < past_len, or tree_mask[t, j - past_len]),
-    MASK_VALUE elsewhere — the mask TreeAttention builds."""
-    p = PREFIX
-
-    def n(op, ins, out, **kw):
-        return helper.make_node(op, [f"{p}.{i}" if not i.startswith(("past_len", "tree_mask", "input_ids")) else i
-                                     for i in ins], [f"{p}.{out}"], name=f"/{p}/{out}", **kw)
-
-    return [
-        n("Shape", ["input_ids"], "t", start=1, end=2),
-        n("Add", ["past_len", "t"], "end"),
-        n("Sub", ["end", "ax1"], "last"),
-        n("Cast", ["last"], "seqlens_k", to=TensorProto.INT32),
-        n("ReduceMax", ["end"], "total64", keepdims=0),
-        n("Cast", ["total64"], "total", to=TensorProto.INT32),
-        n("Range", ["i0", "total64", "i1"], "j"),
-        n("Unsqueeze", ["j", "ax0"], "j2"),
-        n("Unsqueeze", ["past_len", "ax1"], "p2"),
-        n("Sub", ["j2", "p2"], "rel"),  # [B, L]: index into the window
-        n("Squeeze", ["t", "ax0"], "ts"),
-        n("Sub", ["ts", "i1"], "last_row"),
-        n("Clip", ["rel", "i0", "last_row"], "idx"),
-        n("Unsqueeze", ["idx", "ax1"], "idx3"),
-        n("Concat", ["ax1", "t", "ax1"], "rep", axis=0),
-        n("Expand", ["idx3", "rep"], "idx_t"),  # [B, T, L]
-        n("GatherElements", ["tree_mask", "idx_t"], "seen", axis=2),
-        n("GreaterOrEqual", ["rel", "i0"], "after"),
-        n("Less", ["rel", "ts"], "before_end"),
-        n("And", ["after", "before_end"], "in_new"),
-        n("Unsqueeze", ["in_new", "ax1"], "in_new3"),
-        n("And", ["seen", "in_new3"], "seen_new"),
-        n("Less", ["rel", "i0"], "in_prefix"),
-        n("Unsqueeze", ["in_prefix", "ax1"], "in_prefix3"),
-        n("Or", ["in_prefix3", "seen_new"], "allowed"),
-        n("Where", ["allowed", "zero", "masked"], "bias3"),
-        n("Unsqueeze", ["bias3", "ax1"], "bias"),  # [B, 1, T, L]
-    ]
+    bias [B, 1, T, total]: TreeAttention's own mask (`tree_attention.visibility`)."""
+    g = GraphBuilder(PREFIX, as_function=True, scope=PREFIX)  # constants as nodes named /gqa/...
+    t = g.op("Gather", g.op("Shape", "tree_mask"), g.const(1))
+    end = g.op("Add", "past_len", t)
+    g.op("Cast", g.op("Sub", end, g.const(1)), to=TensorProto.INT32, out_names=[f"{PREFIX}.seqlens_k"])
+    total = g.op("Add", g.op("ReduceMax", "past_len", keepdims=0), t)
+    g.op("Cast", total, to=TensorProto.INT32, out_names=[f"{PREFIX}.total"])
+    *_, add = visibility(g, "past_len", "tree_mask", t, total)
+    g.op("Unsqueeze", add, g.const([1]), out_names=[f"{PREFIX}.bias"])
+    return g.nodes
 
 
 def fuse_attention(model: onnx.ModelProto, cfg: DecoderConfig) -> onnx.ModelProto | None:
@@ -129,7 +101,7 @@ def fuse_attention(model: onnx.ModelProto, cfg: DecoderConfig) -> onnx.ModelProt
     fused.CopyFrom(model)
     del fused.graph.node[:]
     fused.graph.node.extend(_shared_nodes() + out)
-    fused.graph.initializer.extend(_consts(cfg))
+    fused.graph.initializer.extend(_rotary_tables(cfg))
     kept_functions = [f for f in fused.functions if f.name != NAME]  # TreeAttention is no longer called
     del fused.functions[:]
     fused.functions.extend(kept_functions)

@@ -49,16 +49,17 @@ class Proposal:
         while kids := tree.children(node):
             node = kids[0]  # siblings are in rank order
             keep.append(node)
-        return Proposal([self.tokens[w - 1] for w in keep], list(range(len(keep))),
-                        None if self.q is None else self.q[[w - 1 for w in keep]])
+        return self._subset(keep)
 
     def limited(self, max_nodes: int, max_depth: int) -> Proposal:
         """Keep the nodes within both limits (a prefix in window order stays a valid tree)."""
         if max_nodes <= 0 or max_depth <= 0:
             return Proposal()
         keep = self.tree().kept(max_nodes, max_depth)  # window nodes
-        if len(keep) == len(self):
-            return self
+        return self if len(keep) == len(self) else self._subset(keep)
+
+    def _subset(self, keep: list[int]) -> Proposal:
+        """The window nodes `keep` (ascending; each one's parent kept or the root) as a proposal."""
         return Proposal([self.tokens[w - 1] for w in keep], renumber(keep, [-1, *self.parents]),
                         None if self.q is None else self.q[[w - 1 for w in keep]])
 

@@ -220,11 +220,7 @@ class Scheduler:
             slot.seq = self.gen.sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, slot.index,
                                          slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2)
             self.metrics.running.set(self.running)
-            t0 = time.perf_counter()
-            for p in slot.seq.prefill_passes():
-                outs = self._pass([p], slot.index, slot.index + 1)
-                slot.seq.absorb(p, outs)
-            first = slot.seq.prefilled(outs["logits"][0, : len(p.rows)], time.perf_counter() - t0)
+            first = slot.seq.prefill(lambda p: self._pass([p], slot.index, slot.index + 1))
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
             self._deliver(slot, first)
