@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.drafter_export import export_drafter
 from specrt.export.loading import LoadedModel, load_model
 from specrt.export.modeling import DecoderLM
+from specrt.export.partials import remove_stale_partials
 from specrt.export.reference_io import save_references
+from specrt.export.safetensors_file import check_folder
 from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.exactness import measure_record, store_in_manifest
 from specrt.schema.manifest import GraphEntry, Manifest, sha256_file
@@ -100,9 +103,11 @@ def parity(module: DecoderLM, onnx_path: Path, prompt_len: int = 10, window: int
 
 
 @contextmanager
-def atomic_dir(out: Path):
-    """Yield a temporary sibling folder; on success it replaces `out`, on failure it is removed."""
+def atomic_dir(out: Path, note=None):
+    """Yield a temporary sibling folder; on success it replaces `out`, on failure it is removed. Partial
+    folders that killed exports left in the same parent are removed first (`note` says so: default stderr)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out.parent, note or _to_stderr)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -118,6 +123,10 @@ def atomic_dir(out: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _to_stderr(text: str) -> None:
+    tqdm.write(text, file=sys.stderr)  # between progress bars, not through them
 
 
 def _save_tokenizer(target: LoadedModel, folder: Path) -> dict:
@@ -161,6 +170,11 @@ def resolve_drafters(requested) -> list[tuple[str, Path]]:
         if not folder.exists():
             raise SpecrtError(f"no trained {kind} drafter at {folder}: run `specrt train {kind}` first, "
                               f"or pass --drafter-weights PATH (a specrt or public {kind} checkpoint)")
+        if not folder.is_dir():
+            raise SpecrtError(f"--drafter-weights {folder} is a file: pass the checkpoint folder that holds it "
+                              "(with its config.json)")
+        check_folder(folder, "convert it to safetensors in a trusted environment, or pass the folder "
+                             f"`specrt train {kind}` wrote")
         if not (folder / drafters.CONFIG).is_file() and public.detect(folder) is None:
             raise SpecrtError(f"{folder} holds no drafter checkpoint (no config.json, no public Medusa / EAGLE / "
                               f"MTP layout): pass the folder `specrt train {kind}` wrote, or a public checkpoint")

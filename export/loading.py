@@ -15,6 +15,8 @@ import torch
 from specrt.errors import SpecrtError
 from specrt.export.archs import arch_for
 from specrt.export.modeling import DecoderLM
+from specrt.export.safetensors_file import check_folder
+from specrt.export.source_checks import check_tokenizer
 from specrt.schema.config import DecoderConfig
 
 
@@ -141,6 +143,12 @@ def load_model(path: str | Path, keep_hf: bool = True) -> LoadedModel:
     arch_for(hf_config.model_type)  # refuse unsupported families before loading any weight
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **kw)
+    except Exception as e:
+        raise SpecrtError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
+    check_tokenizer(path, hf_config, tokenizer)  # before the weights: a mismatch fails fast
+    if path.is_dir():
+        check_folder(path, "re-download the model, or convert its weights to safetensors in a trusted environment")
+    try:
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
     except Exception as e:
         raise SpecrtError(f"cannot load model weights from {path}: {str(e).splitlines()[0]}") from None

@@ -31,9 +31,24 @@ from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-export
 from specrt.runtime.text import TextAssembler
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.tree import Tree, resolve_tree
+from specrt.schema.integrity import verify_bundle
 from specrt.schema.manifest import Manifest
 
 WINDOW_MARGIN = 66  # KV rows beyond capacity for padded batched windows: root + up to 64 nodes (+1 spare)
+
+
+def kv_capacity(max_seq_len: int | None, cfg) -> int:
+    """KV rows per sequence: `max_seq_len`, default min(2048, the model's maximum), never past the positions
+    the model was trained for (max_position_embeddings)."""
+    if max_seq_len is None:
+        return min(2048, cfg.max_position_embeddings)
+    if int(max_seq_len) < 2:
+        raise SpecrtError(f"--max-seq-len {max_seq_len} is too small: it must be at least 2")
+    if int(max_seq_len) > cfg.max_position_embeddings:
+        raise SpecrtError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+                          f"{cfg.max_position_embeddings} (manifest.json): use --max-seq-len "
+                          f"{cfg.max_position_embeddings} or less")
+    return int(max_seq_len)
 
 
 class Generator:
@@ -42,20 +57,20 @@ class Generator:
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "ort",
-                 exec_mode: str = "auto", allow_inexact: bool = False, **drafter_options):
+                 exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False, **drafter_options):
         """`slots` > 1: the target's KV cache holds that many sequences (the serving scheduler batches
         them); `stream` and `generate` use slot 0.
 
         `exec_mode`: how target passes are shaped (runtime/exec_modes.py); auto: the cheapest mode
         measured batch-invariant on this machine (runtime/exactness.py). Where none is, speculation
         and batching fall back to plain batch-1 decoding (the exact path) with a note in `notes`,
-        unless `allow_inexact`."""
+        unless `allow_inexact`. `verify`: hash every file against manifest.json again, not only the ones
+        changed since they were last verified on this machine (schema/integrity.py)."""
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
+        verify_bundle(self.bundle, self.manifest, full=verify)
         cfg = self.manifest.target.config
-        self.capacity = int(max_seq_len or min(2048, cfg.max_position_embeddings))
-        if self.capacity < 2:
-            raise SpecrtError(f"--max-seq-len {self.capacity} is too small: it must be at least 2")
+        self.capacity = kv_capacity(max_seq_len, cfg)
         self.acceptance = acceptance
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
@@ -166,16 +181,16 @@ class Generator:
     # ── the loop ────────────────────────────────────────────────────────────────────────────
     def sequence(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  slot: int = 0, drafter=None, state: TargetState | None = None, control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None) -> Sequence:
+                 max_nodes: int | None = None, **options) -> Sequence:
         """A new generation in KV slot `slot` of this generator's target. Default: slot 0 with the
         generator's own drafter, target state and adaptive controller; the serving scheduler passes each
-        slot's own."""
+        slot's own. `options`: `logit_bias`, `logprobs` (runtime/logits.py)."""
         if drafter is None:
             drafter, state = self.drafter, self.state
             control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
         return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,
                         self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes,
-                        exact=self.lossless, chains_only=not backend_entry(self.backend).trees)
+                        exact=self.lossless, chains_only=not backend_entry(self.backend).trees, **options)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:

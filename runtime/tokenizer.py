@@ -18,25 +18,51 @@ def _raise(message: str):
     raise SpecrtError(f"chat template: {message}")
 
 
+def compile_template(text: str):
+    """The chat template as transformers renders it; jinja2.TemplateSyntaxError when it does not parse."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(text)
+
+
+def syntax_error(text: str) -> str | None:
+    """Why the chat template `text` does not parse ("line 3: unexpected '}'"), or None when it does."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        compile_template(text)
+    except TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    return None
+
+
 class Tokenizer:
     def __init__(self, bundle: Path, meta: dict):
+        """The bundle's tokenizer file and chat template, both checked here: a bad one names its file."""
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(bundle) / meta["file"]
         if not path.is_file():
             raise SpecrtError(f"tokenizer file {path} is missing: export the bundle again")
-        self.tok = HFTokenizer.from_file(str(path))
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for unparsable files
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise SpecrtError(f"{path} is not a valid tokenizer file ({why}): "
+                              "re-export the bundle (or copy its tokenizer folder again)") from None
         self.meta = meta
+        error = syntax_error(meta["chat_template"]) if self.has_chat_template else None
+        if error:
+            raise SpecrtError(f"{Path(bundle) / 'manifest.json'}: tokenizer.chat_template is not a valid Jinja "
+                              f"template ({error}): fix the source model's chat template and re-export the bundle")
 
     @cached_property
     def _template(self):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.meta["chat_template"])
+        return compile_template(self.meta["chat_template"])
 
     @property
     def has_chat_template(self) -> bool:

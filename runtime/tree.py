@@ -128,7 +128,12 @@ def resolve_tree(spec: str | None, k: int) -> Tree:
         raise SpecrtError(f"--tree {spec!r} is neither a tree name ({', '.join(['chain', *NAMED_TREES])}) "
                           "nor a JSON file of paths")
     try:
-        paths = json.loads(path.read_text())
+        paths = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecrtError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}): expected a JSON list of paths "
+                          "like [[0], [1], [0, 0]]") from None
+    except OSError as e:
+        raise SpecrtError(f"cannot read --tree file {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise SpecrtError(f"{path}: not valid JSON ({e.msg}): expected a list of paths like [[0], [1], [0, 0]]") from None
     if not isinstance(paths, list) or not all(isinstance(p, list) and all(isinstance(c, int) for c in p) for p in paths):

@@ -29,3 +29,11 @@ def drafter_dir(kind: str) -> Path:
 
 def train_cache_dir() -> Path:
     return home() / "train" / "cache"
+
+
+def cache_dir() -> Path:
+    """Small caches specrt may drop at any time (file digests): $SPECRT_HOME/cache when $SPECRT_HOME is
+    set, else the user cache folder ($XDG_CACHE_HOME, default ~/.cache)/specrt."""
+    if os.environ.get("SPECRT_HOME"):
+        return home() / "cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specrt"

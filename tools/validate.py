@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams, warp
+from specrt.schema.manifest import Manifest
 from specrt.tools.lossless import ChiSquare, chi_square
 
 # Repetitive on purpose: prompt lookup then drafts tokens the target often samples, so the check
@@ -44,7 +45,8 @@ def lossless_check(bundle: Path, drafter: str = "ngram", tree: str | None = "def
                    length: int = 3, top_k: int = 4, temperature: float = 1.0, seed: int = 0,
                    threads: int = 2, progress: bool = True) -> tuple[ChiSquare, dict]:
     # allow_inexact: the check must run the speculation it certifies, never a plain fall-back
-    gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=256, threads=threads, allow_inexact=True)
+    capacity = min(256, Manifest.load(bundle).target.config.max_position_embeddings)
+    gen = Generator(bundle, drafter=drafter, tree=tree, max_seq_len=capacity, threads=threads, allow_inexact=True)
     prompt = gen.tokenizer.encode_prompt(PROMPT)
     params = SamplingParams(temperature=temperature, top_k=top_k)
     exact = exact_distribution(gen, prompt, params, length)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 from specrt.export.modeling import DecoderLM
+from specrt.export.safetensors_file import check_safetensors
 from specrt.kinds import DrafterSpec, kind, learned_kinds, resolve
 from specrt.schema.config import DecoderConfig
 
@@ -69,7 +70,7 @@ def read_config(folder: Path) -> tuple[object, DecoderConfig]:
                           "(train one with `specrt train KIND`, or pass a public Medusa/EAGLE/MTP checkpoint)")
     try:
         meta = json.loads(path.read_text())
-        dec = DecoderConfig.from_dict(meta.pop("decoder"))
+        dec = DecoderConfig.from_dict(meta.pop("decoder"), "decoder")
         return make_config(meta.pop("kind"), **meta), dec
     except (KeyError, TypeError, ValueError) as e:
         raise SpecrtError(f"{path} is not a valid drafter config ({type(e).__name__}: {e})") from None
@@ -90,6 +91,7 @@ def load(folder: Path, target: DecoderLM):
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise SpecrtError(f"{weights} is missing: the drafter checkpoint is incomplete; train or copy it again")
+    check_safetensors(weights, "train or copy the checkpoint again")
     load_state(module, load_file(weights), weights)
     return module.eval()
 

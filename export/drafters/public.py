@@ -30,6 +30,7 @@ from specrt.errors import SpecrtError
 from specrt.export.drafters import build, check_target, kind_spec, load_state, make_config
 from specrt.export.drafters.eagle import default_taps
 from specrt.export.modeling import DecoderLM
+from specrt.export.safetensors_file import check_safetensors
 from specrt.kinds import resolve
 
 CONFIG = "config.json"
@@ -55,6 +56,8 @@ class Weights:
             for f in sorted(set(self.files.values())):
                 if not f.is_file():
                     raise SpecrtError(f"{path} names shard {f.name}, which is missing: download every shard")
+                if f.suffix == ".safetensors":
+                    check_safetensors(f, "re-download the checkpoint")
         else:
             self.files = dict.fromkeys(self._keys_of(path), path)
 
@@ -65,6 +68,7 @@ class Weights:
         if file.suffix == ".safetensors":
             from safetensors import safe_open
 
+            check_safetensors(file, "re-download the checkpoint")
             try:
                 with safe_open(str(file), "pt") as f:
                     return list(f.keys())

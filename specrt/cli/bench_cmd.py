@@ -10,6 +10,7 @@ import click
 
 from specrt.cli.options import (
     EXEC_MODES,
+    UTF8,
     available_drafters,
     bundle_argument,
     make_generator,
@@ -59,7 +60,7 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--backend-baseline", "backend_baseline", type=click.Choice(["ort", "ort-fused"]), default=None,
               help="Also run plain and every drafter on this backend (e.g. ort-fused, attention fused into "
                    "GroupQueryAttention) in the same run, in its own process, as peers specrt-BACKEND-DRAFTER.")
-@click.option("--trees", default=None,
+@click.option("--trees", type=UTF8, default=None,
               help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
                    "Default: just --tree.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")

@@ -8,6 +8,7 @@ import sys
 import click
 
 from specrt.cli.options import (
+    UTF8,
     bundle_argument,
     make_generator,
     runtime_options,
@@ -19,7 +20,7 @@ from specrt.kinds import runtime_drafters
 
 @click.command("generate")
 @bundle_argument
-@click.option("--prompt", required=True, help="The user prompt (chat-templated unless --raw).")
+@click.option("--prompt", type=UTF8, required=True, help="The user prompt (chat-templated unless --raw).")
 @click.option("--drafter", default=None,
               help=f"{', '.join(runtime_drafters())} (learned drafters: export them with "
                    "--drafter KIND). Default: the bundle's tuned choice (`specrt tune`), else plain.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -9,6 +10,44 @@ import click
 from specrt.engines.registry import BACKENDS
 from specrt.paths import default_bundle
 from specrt.runtime.exec_modes import MODES as EXEC_MODES
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that refuses nan and ±inf too (FloatRange lets nan through: it compares false)."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number", param, ctx)
+        return rv
+
+
+class Utf8Text(click.ParamType):
+    """Text that must be valid UTF-8 (undecodable bytes in argv reach Python as lone surrogates)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail(f"{value!r} is not valid UTF-8: pass UTF-8 text", param, ctx)
+        return value
+
+
+UTF8 = Utf8Text()
+
+
+VERIFY_HELP = ("Re-hash every bundle file against the SHA-256 digests in manifest.json (default: only files "
+               "changed since they were last verified here).")
+
+
+def verify_option(f, help: str = VERIFY_HELP):
+    """--verify: hash every bundle file against manifest.json again (by default loading re-hashes only the
+    files whose size or modification time changed since they were last hashed on this machine)."""
+    return click.option("--verify", is_flag=True, help=help)(f)
 
 
 def bundle_argument(f):
@@ -44,7 +83,7 @@ def runtime_options(f):
         click.option("--adaptive/--fixed-depth", default=None,
                      help="Adaptive: choose the draft depth every step from the running acceptance and measured "
                           "costs, falling back to plain decoding while speculation does not pay. Default: fixed."),
-        click.option("--tree", default=None,
+        click.option("--tree", type=UTF8, default=None,
                      help="Draft tree: 'chain' (default, k drafts), a name (default, wide, binary) or a JSON "
                           "file holding a list of paths such as [[0],[1],[0,0]]."),
         click.option("--acceptance", type=click.Choice(["auto", "greedy", "rejection", "typical"]), default="auto",
@@ -64,17 +103,18 @@ def runtime_options(f):
         click.option("--allow-inexact", is_flag=True,
                      help="Where no mode is batch-invariant here, speculate and batch anyway (output may differ "
                           "from plain decoding; reported as lossless: false). Default: fall back to plain decoding."),
+        verify_option,
     ])
 
 
 def sampling_options(f):
     return _apply(f, [
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
                      help="0: greedy. Applied identically to target and draft distributions."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0: off."),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+        click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="1: off."),
-        click.option("--seed", type=int, default=None, help="Same seed, same output."),
+        click.option("--seed", type=click.IntRange(min=0), default=None, help="Same seed, same output."),
     ])
 
 
@@ -83,7 +123,7 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
-                   backend="ort", exec_mode="auto", allow_inexact=False):
+                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
     from specrt.runtime.generate import Generator
@@ -100,7 +140,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
-                     backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact)
+                     backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify)
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -42,7 +42,7 @@ def command(bundle, prompts_file, drafters, max_new_tokens, limit, threads, raw,
 
     path = resolve_bundle(bundle)
     prompts = spread(load_prompts(prompts_file or default_prompts()), limit)
-    gen = Generator(path, "plain", threads=threads, max_seq_len=2048)
+    gen = Generator(path, "plain", threads=threads)  # the runtime's default capacity: min(2048, model maximum)
     names = [d.strip() for d in drafters.split(",") if d.strip()] if drafters else available_drafters(gen.manifest)
     encoded = [gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts]
     result = tune(gen, encoded, names, max_new_tokens)

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import click
 
-from specrt.cli.options import bundle_argument, resolve_bundle
+from specrt.cli.options import UTF8, bundle_argument, resolve_bundle, verify_option
 from specrt.errors import SpecrtError
 
 
@@ -19,19 +20,27 @@ from specrt.errors import SpecrtError
               help="Polygraphy: ONNX Runtime outputs vs the PyTorch reference saved at export (and TensorRT vs "
                    "ONNX Runtime where engines exist), with tolerances by precision.")
 @click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
-@click.option("--tree", default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
+@click.option("--tree", type=UTF8, default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
 @click.option("--length", type=click.IntRange(min=2, max=4), default=3, show_default=True,
               help="Tokens per sampled sequence.")
 @click.option("--top-k", type=click.IntRange(min=2, max=8), default=4, show_default=True,
               help="Support per position (keeps the exact distribution enumerable).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k, seed, threads, as_json):
+@functools.partial(verify_option, help="First check every bundle file against the SHA-256 digests in manifest.json "
+                   "(each one hashed again).")
+def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k, seed, threads, as_json, verify):
     """Validate BUNDLE; exits 0 only if every requested check passes."""
     if not (lossless or polygraphy):
         raise SpecrtError("choose a check: --lossless and/or --polygraphy")
+    if verify:  # before the checks: their verdicts say nothing about files that are not the exported ones
+        from specrt.schema.integrity import verify_bundle
+        from specrt.schema.manifest import Manifest
+
+        path = resolve_bundle(bundle)
+        verify_bundle(path, Manifest.load(path), full=True)
     reports = {}
     if polygraphy:
         reports["polygraphy"] = _polygraphy(resolve_bundle(bundle), threads, as_json)

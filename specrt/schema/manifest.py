@@ -6,13 +6,15 @@ A bundle is a folder complete on its own: ONNX graphs with external weights, tok
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specrt.errors import SpecrtError
+from specrt.schema.checks import FieldError
 from specrt.schema.config import DecoderConfig
+from specrt.schema.digests import sha256_file  # noqa: F401  (re-exported: export writes the digests)
+from specrt.schema.manifest_schema import validate_manifest
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
@@ -37,8 +39,8 @@ class GraphEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> GraphEntry:
-        return cls(**{**d, "config": DecoderConfig.from_dict(d["config"])})
+    def from_dict(cls, d: dict, key: str = "graph") -> GraphEntry:
+        return cls(**{**d, "config": DecoderConfig.from_dict(d["config"], f"{key}.config")})
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Manifest:
 
     @classmethod
     def load(cls, bundle: str | Path) -> Manifest:
+        """Read and check `bundle`/manifest.json: a wrong type, range or path names its field."""
         bundle = Path(bundle)
         path = bundle / MANIFEST
         if not bundle.is_dir():
@@ -100,20 +103,19 @@ class Manifest:
             raise SpecrtError(f"{path} is missing: {bundle} is not a complete specrt bundle; export it again")
         try:
             d = json.loads(path.read_text())
-            if d.get("schema_version") != SCHEMA_VERSION:
-                raise SpecrtError(f"{path} has schema_version {d.get('schema_version')}, this specrt reads "
-                                  f"{SCHEMA_VERSION}: export the bundle again")
-            graphs = {k: GraphEntry.from_dict(g) for k, g in d["graphs"].items()}
-            return cls(graphs=graphs, tokenizer=d["tokenizer"], versions=d["versions"],
-                       schema_version=d["schema_version"], artifacts=d.get("artifacts", {}),
-                       drafters=d.get("drafters", {}), runtime_defaults=d.get("runtime_defaults", {}))
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise SpecrtError(f"{path} is corrupt ({type(e).__name__}: {e}): export the bundle again") from None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SpecrtError(f"{path} is not readable JSON ({type(e).__name__}: {e}): re-export the bundle") from None
+        version = d.get("schema_version") if isinstance(d, dict) else None
+        if version != SCHEMA_VERSION:
+            raise SpecrtError(f"{path} has schema_version {version}, this specrt reads {SCHEMA_VERSION}: "
+                              "export the bundle again")
+        try:
+            validate_manifest(d)
+            graphs = {k: GraphEntry.from_dict(g, f"graphs.{k}") for k, g in d["graphs"].items()}
+        except FieldError as e:
+            raise SpecrtError(f"{path}: {e}: re-export the bundle") from None
+        except (KeyError, TypeError) as e:
+            raise SpecrtError(f"{path} is corrupt ({type(e).__name__}: {e}): re-export the bundle") from None
+        return cls(graphs=graphs, tokenizer=d["tokenizer"], versions=d["versions"], schema_version=version,
+                   artifacts=d.get("artifacts", {}), drafters=d.get("drafters", {}),
+                   runtime_defaults=d.get("runtime_defaults", {}))

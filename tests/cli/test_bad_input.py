@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,42 @@ def assert_one_line_error(proc, *needles):
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
     for n in needles:
         assert n in lines[-1], lines[-1]
+
+
+def assert_usage_error(proc, option, *needles):
+    """Click's own refusal of an option value: exit 2, its last line `Error: Invalid value for 'OPTION'`."""
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(f"Error: Invalid value for '{option}'"), last
+    for n in needles:
+        assert n in last, last
+
+
+def linked_copy(bundle: Path, dst: Path) -> Path:
+    """A copy of `bundle` to change: JSON and tokenizer files copied, the large graph files symlinked."""
+    def copy(src, to):
+        if src.endswith(".json") or "/tokenizer/" in src:
+            shutil.copy2(src, to)
+        else:
+            os.symlink(src, to)
+    shutil.copytree(bundle, dst, copy_function=copy)
+    return dst
+
+
+def edit_manifest(bundle: Path, edit) -> dict:
+    d = json.loads((bundle / "manifest.json").read_text())
+    edit(d)
+    (bundle / "manifest.json").write_text(json.dumps(d))
+    return d
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def assert_nothing_written(parent: Path):
@@ -63,10 +100,32 @@ def test_truncated_gguf(tmp_path, default_gguf):
 
 def test_vocab_mismatch_is_refused(tmp_path, tokenizer_dir):
     target = save_tiny_folder(tmp_path / "target", "llama", tokenizer_dir, vocab_size=49152)
-    draft = save_tiny_folder(tmp_path / "draft", "llama", tokenizer_dir, vocab_size=1000)
+    # padded embedding rows beyond the tokenizer's ids are normal for one model, not between two
+    draft = save_tiny_folder(tmp_path / "draft", "llama", tokenizer_dir, vocab_size=49280)
     out = tmp_path / "out"
     proc = specrt("export", "--model", target, "--draft-model", draft, "-o", out / "b", "--no-parity-check")
-    assert_one_line_error(proc, "draft vocab 1000", "target vocab 49152", "tokenizer")
+    assert_one_line_error(proc, "draft vocab 49280", "target vocab 49152", "tokenizer")
+    assert_nothing_written(out)
+
+
+def test_config_vocab_below_the_tokenizer_ids_is_refused(tmp_path, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=1000)
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
+    assert_one_line_error(proc, "49152 tokens", "vocab_size 1000", str(folder / "tokenizer.json"),
+                          str(folder / "config.json"))
+    assert_nothing_written(out)
+
+
+def test_broken_chat_template_is_refused_at_export(tmp_path, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # the template in tokenizer_config.json, as older HF
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m }"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
+    assert_one_line_error(proc, str(folder / "tokenizer_config.json"), "not a valid Jinja template", "line 1")
     assert_nothing_written(out)
 
 
@@ -79,16 +138,135 @@ def test_unsupported_family_is_refused(tmp_path):
 
 
 def test_corrupt_onnx_in_bundle(tmp_path, real_bundle):
+    """A graph ONNX Runtime cannot read (and no digest recorded that would catch it first)."""
     bundle = tmp_path / "b"
     shutil.copytree(real_bundle, bundle, ignore=shutil.ignore_patterns("*.data"))
+    edit_manifest(bundle, lambda d: [g.pop("sha256") for g in d["graphs"].values()])
     (bundle / "target" / "decoder.onnx").write_bytes(b"\x00garbage" * 64)
     proc = specrt("generate", bundle, "--prompt", "hi")
     assert_one_line_error(proc, "decoder.onnx", "export the bundle again")
 
 
+@pytest.mark.parametrize("content", [b"", b"{garbage", b'{"version": "1.0"}'], ids=["empty", "garbage", "no-model"])
+def test_bad_tokenizer_json(tmp_path, real_bundle, content):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    (bundle / "tokenizer" / "tokenizer.json").write_bytes(content)
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, str(bundle / "tokenizer" / "tokenizer.json"), "not a valid tokenizer file",
+                          "re-export the bundle")
+
+
+def test_broken_chat_template_in_the_bundle(tmp_path, real_bundle):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    edit_manifest(bundle, lambda d: d["tokenizer"].update(chat_template="{% for m in messages %}{{ m }"))
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, str(bundle / "manifest.json"), "tokenizer.chat_template is not a valid Jinja template",
+                          "line 1")
+
+
+def target_config(**values):
+    return lambda d: d["graphs"]["target"]["config"].update(values)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (target_config(num_layers="30"), "graphs.target.config.num_layers must be a positive integer, got '30'"),
+    (target_config(num_layers=[]), "graphs.target.config.num_layers must be a positive integer, got []"),
+    (target_config(num_kv_heads=0), "graphs.target.config.num_kv_heads must be a positive integer, got 0"),
+    (target_config(head_dim=65), "graphs.target.config.rope_inv_freq must be head_dim / 2 = 32.5 frequencies"),
+    (lambda d: d.update(graphs={}), "graphs must be an object of graphs with a 'target' entry, got {}"),
+    (lambda d: d.update(graphs=[]), "graphs must be an object of graphs with a 'target' entry, got []"),
+], ids=["num_layers-str", "num_layers-list", "num_kv_heads-0", "head_dim-odd", "graphs-empty", "graphs-list"])
+def test_manifest_values_of_the_wrong_type(tmp_path, real_bundle, edit, says):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    edit_manifest(bundle, edit)
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, f"{bundle / 'manifest.json'}: {says}", "re-export the bundle")
+
+
+@pytest.mark.parametrize("key, edit", [
+    ("graphs.target.file", lambda d: d["graphs"]["target"].update(file="../outside/decoder.onnx")),
+    ("tokenizer.file", lambda d: d["tokenizer"].update(file="/etc/hostname")),
+    ("artifacts.onnxruntime.graphs.target.file", lambda d: d["artifacts"].update(
+        onnxruntime={"graphs": {"target": {"file": "../outside/decoder.onnx"}}})),
+], ids=["graph", "tokenizer", "built-graph"])
+def test_manifest_paths_outside_the_bundle_are_refused(tmp_path, real_bundle, key, edit):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    os.symlink(real_bundle / "target", tmp_path / "outside")  # a real graph there: it used to be loaded
+    edit_manifest(bundle, edit)
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "2")
+    assert_one_line_error(proc, f"{key} must be a relative path inside the bundle", "re-export the bundle")
+
+
+def test_flipped_bytes_in_a_bundle_file_are_refused(tmp_path, real_bundle):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    graph = bundle / "target" / "decoder.onnx"
+    graph.unlink()
+    shutil.copy(real_bundle / "target" / "decoder.onnx", graph)
+    flip_byte(graph, graph.stat().st_size // 2)
+    expected = json.loads((bundle / "manifest.json").read_text())["graphs"]["target"]["sha256"]["decoder.onnx"]
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "2", env={"SPECRT_HOME": tmp_path / "h"})
+    assert_one_line_error(proc, str(graph), f"expected {expected}", "re-export or re-copy the bundle")
+
+
+def test_verify_rehashes_what_the_digest_cache_trusts(tmp_path, real_bundle):
+    """A file changed without a new size or mtime passes the cached check; --verify hashes it again."""
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    graph = bundle / "draft" / "decoder.onnx"  # plain decoding does not open it; the check covers every file
+    graph.unlink()
+    shutil.copy2(real_bundle / "draft" / "decoder.onnx", graph)
+    env = {"SPECRT_HOME": tmp_path / "h"}
+    assert specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "1", env=env).returncode == 0
+    st = graph.stat()
+    flip_byte(graph, st.st_size // 2)
+    os.utime(graph, ns=(st.st_atime_ns, st.st_mtime_ns))
+    proc = specrt("generate", bundle, "--prompt", "hi", "--max-new-tokens", "1", "--verify", env=env)
+    assert_one_line_error(proc, str(graph), "is corrupt or was changed", "re-export or re-copy the bundle")
+
+
 def test_missing_bundle(tmp_path):
     proc = specrt("generate", tmp_path / "none", "--prompt", "hi")
     assert_one_line_error(proc, "none", "specrt export")
+
+
+def test_validate_verify_checks_the_files_before_the_graphs(tmp_path, real_bundle):
+    bundle = linked_copy(real_bundle, tmp_path / "b")
+    graph = bundle / "draft" / "decoder.onnx"
+    graph.unlink()
+    shutil.copy2(real_bundle / "draft" / "decoder.onnx", graph)
+    flip_byte(graph, 100)
+    proc = specrt("validate", bundle, "--polygraphy", "--verify", env={"SPECRT_HOME": tmp_path / "h"})
+    assert_one_line_error(proc, str(graph), "is corrupt or was changed", "re-export or re-copy the bundle")
+
+
+def test_max_seq_len_beyond_the_model_maximum(real_bundle):
+    proc = specrt("generate", real_bundle, "--prompt", "hi", "--max-seq-len", "16384")
+    assert_one_line_error(proc, "--max-seq-len 16384", "max_position_embeddings 8192", "--max-seq-len 8192 or less")
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--temperature", "nan", "nan is not a finite number"),
+    ("--temperature", "inf", "inf is not a finite number"),
+    ("--top-p", "nan", "nan is not a finite number"),
+    ("--seed", "-1", "-1 is not in the range x>=0"),
+])
+def test_sampling_values_that_would_sample_garbage(real_bundle, option, value, says):
+    sampled = [] if option == "--temperature" else ["--temperature", "1"]
+    proc = specrt("generate", real_bundle, "--prompt", "hi", "--max-new-tokens", "8", *sampled, option, value)
+    assert_usage_error(proc, option, says)
+
+
+@pytest.mark.parametrize("option", ["--tree", "--prompt"])
+def test_arguments_that_are_not_utf8(real_bundle, option):
+    args = {"--prompt": "hi", "--tree": "chain", option: os.fsdecode(b"\xff\xfe")}
+    proc = specrt("generate", real_bundle, "--max-new-tokens", "2", *[x for kv in args.items() for x in kv])
+    assert_usage_error(proc, option, "is not valid UTF-8")
+
+
+def test_tree_file_that_is_not_utf8(tmp_path, real_bundle):
+    tree = tmp_path / "tree.json"
+    tree.write_bytes(b"\xff\xfe[[0], [1]]")
+    proc = specrt("generate", real_bundle, "--prompt", "hi", "--max-new-tokens", "2", "--tree", tree)
+    assert_one_line_error(proc, str(tree), "not UTF-8 text", "[[0], [1], [0, 0]]")
 
 
 def test_prompt_longer_than_capacity(real_bundle):
@@ -133,6 +311,39 @@ def test_export_drafter_weights_that_are_not_a_checkpoint(tmp_path):
     proc = specrt("export", "--model", folder, "-o", out / "b", "--drafter", "medusa", "--drafter-weights",
                   tmp_path / "ck")
     assert_one_line_error(proc, "ck", "config.json")
+    assert_nothing_written(out)
+
+
+def tiny_medusa_checkpoint(folder: Path, target: Path) -> Path:
+    """A specrt Medusa checkpoint for the model at `target` whose model.safetensors is really a pickle."""
+    from transformers import AutoConfig
+
+    from specrt.export.loading import decoder_config
+
+    folder.mkdir()
+    meta = {"kind": "medusa", "num_heads": 2, "num_layers": 1, "own_heads": False,
+            "decoder": decoder_config(AutoConfig.from_pretrained(target)).to_dict()}
+    (folder / "config.json").write_text(json.dumps(meta))
+    (folder / "model.safetensors").write_bytes(pickle.dumps({"heads.0.weight": [0.0] * 8}))
+    return folder
+
+
+def test_drafter_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
+    ck = tiny_medusa_checkpoint(tmp_path / "ck", folder)
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--drafter", "medusa", "--drafter-weights", ck,
+                  "--no-parity-check")
+    assert_one_line_error(proc, str(ck / "model.safetensors"), "not a safetensors file", "pickle")
+    assert_nothing_written(out)
+
+
+def test_model_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
+    (folder / "model.safetensors").write_bytes(pickle.dumps({"model.embed_tokens.weight": [0.0] * 8}))
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--no-parity-check")
+    assert_one_line_error(proc, str(folder / "model.safetensors"), "not a safetensors file", "pickle")
     assert_nothing_written(out)
 
 

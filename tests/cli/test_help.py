@@ -38,3 +38,9 @@ def test_doctor_reports_tensorrt_state():
     result = CliRunner().invoke(cli, ["doctor"])
     assert result.exit_code == 0, result.output
     assert "onnxruntime" in result.output and "tensorrt" in result.output
+
+
+@pytest.mark.parametrize("name", ["generate", "serve", "bench", "bench-serve", "validate"])
+def test_commands_that_load_a_bundle_offer_verify(name):
+    result = CliRunner().invoke(cli, [name, "--help"])
+    assert "--verify" in result.output and "SHA-256" in result.output, result.output

@@ -107,7 +107,7 @@ def test_speculation_on_the_fused_backend_reproduces_its_own_plain_output(built)
     from specrt.runtime.generate import Generator
 
     bundle, _ = built
-    plain = Generator(bundle, "plain", max_seq_len=96, threads=1, backend="ort-fused")
+    plain = Generator(bundle, "plain", max_seq_len=CAPACITY, threads=1, backend="ort-fused")
     assert plain.exactness.mode is not None and plain.exactness.to_dict()["lossless"] in (True, False)
     prompt = [5, 17, 99, 5, 17, 99, 5, 17]
     want = plain.generate_ids(prompt, 24).token_ids
@@ -116,3 +116,27 @@ def test_speculation_on_the_fused_backend_reproduces_its_own_plain_output(built)
         res = gen.generate_ids(prompt, 24)
         if gen.lossless:
             assert res.token_ids == want, drafter
+
+
+def test_build_records_digests_that_loading_verifies(built, tmp_path, monkeypatch):
+    """Every file `specrt build` wrote is in the manifest with its sha256, so changed bytes in a built
+    graph (the one the runtime loads) are refused like those of an exported one."""
+    from specrt.schema.digests import sha256_file
+    from specrt.schema.integrity import recorded_digests, verify_bundle
+
+    bundle, manifest = built
+    monkeypatch.setenv("SPECRT_HOME", str(tmp_path / "home"))
+    for section in ("graphs", "fused"):
+        for role, entry in manifest.artifacts["onnxruntime"][section].items():
+            folder = (bundle / entry["file"]).parent
+            assert entry["sha256"] and all(sha256_file(folder / n) == d for n, d in entry["sha256"].items()), role
+    built_files = {rel for key, rel, _ in recorded_digests(manifest) if key.startswith("artifacts.")}
+    assert "target/decoder.ort-opt.onnx.data" in built_files and "target/decoder.ort-fused.onnx" in built_files
+    verify_bundle(bundle, manifest)
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    with (copy / "target" / "decoder.ort-opt.onnx.data").open("r+b") as f:
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(SpecrtError, match=r"ort-opt.onnx.data is corrupt .*artifacts.onnxruntime.graphs.target"):
+        verify_bundle(copy, Manifest.load(copy))

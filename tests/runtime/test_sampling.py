@@ -43,3 +43,22 @@ def test_batched_rows_are_independent():
 def test_bad_parameters_are_refused(kw, needle):
     with pytest.raises(SpecrtError, match=needle):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("params, named", [
+    (dict(temperature=float("nan")), "--temperature nan"),
+    (dict(temperature=float("inf")), "--temperature inf"),
+    (dict(temperature="0.7"), "--temperature '0.7'"),
+    (dict(temperature=1.0, top_p=float("nan")), "--top-p nan"),
+    (dict(temperature=1.0, top_k=2.5), "--top-k 2.5"),
+    (dict(temperature=1.0, seed=-1), "--seed -1"),
+])
+def test_values_that_would_sample_garbage_are_refused(params, named):
+    """nan/inf temperature made every draw token 0; a negative seed failed inside numpy mid-generation."""
+    with pytest.raises(SpecrtError, match=f"^{named} must be "):
+        SamplingParams(**params)
+
+
+def test_numpy_scalars_are_valid_settings():
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9), seed=np.int64(7))
+    assert warp(np.array([1.0, 2.0, 3.0, 4.0], np.float32), p).sum() == pytest.approx(1.0)
