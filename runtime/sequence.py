@@ -26,6 +26,7 @@ from specrt.runtime.acceptance import LOSSY, Window, acceptance_for
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.drafters import Drafter, Proposal
 from specrt.runtime.drafters.features import TargetState
+from specrt.runtime.logits import TokenLogprob, biased, token_logprobs
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.stats import Result, Stats, Timer
 from specrt.runtime.tree import Tree
@@ -93,9 +94,11 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
                  acceptance: str | None, drafter: Drafter, state: TargetState, capacity: int, eos: set[int],
                  compact: Callable[[int, list[int]], None], control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None, exact: bool = True, chains_only: bool = False):
+                 max_nodes: int | None = None, exact: bool = True, chains_only: bool = False,
+                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None):
         """`exact`: whether the target's passes give plain decoding's rows here (runtime/exactness.py);
-        `chains_only`: the target verifies chains only (a tree proposal is cut to its top-ranked path)."""
+        `chains_only`: the target verifies chains only (a tree proposal is cut to its top-ranked path);
+        `logit_bias` / `logprobs` (top-N; None: off): runtime/logits.py."""
         self.sampling = sampling or SamplingParams()
         self.rule_name, self.rule = acceptance_for(acceptance, self.sampling)
         check_prompt(prompt_ids, capacity)
@@ -107,8 +110,10 @@ class Sequence:
         self.max_new_tokens = max_new_tokens
         self.exact = exact
         self.chains_only = chains_only
+        self.logit_bias, self.top_logprobs = dict(logit_bias or {}), logprobs
         self.tokens = list(prompt_ids)
         self.out: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per committed token when `logprobs` is set
         self.finish: str | None = None
         self.stats = Stats()
         self.t0 = time.perf_counter()
@@ -123,8 +128,8 @@ class Sequence:
         t0 = time.perf_counter()
         for p in self.prefill_passes():
             outs = run(p)
-            self._absorb(p, outs)
-        return self._prefilled(outs["logits"][0], time.perf_counter() - t0)
+            self.absorb(p, outs)
+        return self.prefilled(outs["logits"][0], time.perf_counter() - t0)
 
     def prefill_passes(self) -> list[Pass]:
         """The prompt as causal chunks of at most PREFILL_CHUNK rows, in order, each written at KV rows
@@ -136,17 +141,19 @@ class Sequence:
         chunks = [tokens[s : s + PREFILL_CHUNK] for s in range(0, len(tokens), PREFILL_CHUNK)]
         return [Pass(c, i * PREFILL_CHUNK, Tree.chain(len(c) - 1), np.array([len(c) - 1])) for i, c in enumerate(chunks)]
 
-    def _absorb(self, p: Pass, outs: dict) -> None:
+    def absorb(self, p: Pass, outs: dict) -> None:
         """After one prefill pass: keep the target features its rows give a feature drafter."""
         if self.needs_hidden:
             rows = np.arange(len(p.window))
             self.state.write(p.past + rows, outs, rows)
 
-    def _prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
+    def prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
         """After the last prefill pass (`logits` [1, V] of the last prompt row): the first token."""
         with Timer(self.stats, "prefill"):
+            logits = biased(logits, self.logit_bias)
             first = pick(logits[0], self.sampling, self.rng)
             self.finish = self._emit([first])
+            self._read_logprobs(logits[:1], [first])
             self.drafter.observe(self.tokens, self.state)
         self.stats.stage_seconds["prefill"] += seconds
         return [first]
@@ -207,14 +214,20 @@ class Sequence:
         `outs` its batch-1 outputs); the tokens committed."""
         self.stats.stage_seconds["verify"] += verify_seconds
         with Timer(self.stats, "accept"):
+            logits = biased(logits, self.logit_bias)
             path, nxt = self._accept(p, logits)
         with Timer(self.stats, "commit"):
             self._commit_kv(p.past, path, outs)
             self._record(p, len(path), verify_seconds)
             kept = len(self.out)
             self.finish = self._emit([*p.window[path].tolist(), nxt])
+            self._read_logprobs(logits[[0, *path]], self.out[kept:])  # token k came from its parent's row
             self.drafter.observe(self.tokens, self.state)
         return self.out[kept:]
+
+    def _read_logprobs(self, rows: np.ndarray, committed: list[int]) -> None:
+        if self.top_logprobs is not None:
+            self.logprobs += token_logprobs(rows[: len(committed)], committed, self.top_logprobs)
 
     def _accept(self, p: Pass, logits: np.ndarray) -> tuple[list[int], int]:
         """3. accept: (accepted window nodes, next token), by this sequence's rule (runtime/acceptance.py).

@@ -6,16 +6,24 @@
 
 Every refusal is an OpenAI-style error body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status (503 when every slot and the queue are full); an error inside one request never stops the
-server. A client that disconnects is cancelled: its KV slot is free at the scheduler's next step.
+server, answers 500 with a generic body (the details go to the server's log, never to the client) and
+is counted in `specrt_requests_total` like every other status. A client that disconnects is cancelled:
+its KV slot is free at the scheduler's next step.
+
+The event loop never does long work: text is bounded by characters before it is tokenized (a text
+longer than context × the longest token cannot fit) and tokenized on a worker thread; bodies, Host
+names, API keys and slow clients are guarded before the API sees a request (runtime/serving/guards.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +31,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrt.errors import SpecrtError
+from specrt.runtime.logits import check_logit_bias
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.serving import guards
 from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest
+from specrt.runtime.serving.responses import chat_logprobs, completion_logprobs, usage
 from specrt.runtime.serving.scheduler import Handle, Scheduler, SchedulerFull
 from specrt.runtime.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.2
+ENGINE_FAILED = "the engine failed while generating this request; the server's log has the details"
+log = logging.getLogger("specrt.serve")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts from the network (`specrt serve` options of the same names)."""
+
+    max_body_bytes: int = 4 << 20
+    read_timeout_s: float = 30.0  # a request's head, and its body, must arrive within this
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ("*",)
 
 
 class ApiError(Exception):
@@ -57,10 +80,51 @@ def _describe(errors) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request body", next(iter(seen), None)
 
 
-def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 256) -> FastAPI:
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token decodes to: a text of more characters than context × this cannot
+    fit the context, whatever it tokenizes to."""
+    tok = tokenizer.tok
+    return max(len(tok.decode([i], skip_special_tokens=False).encode()) for i in range(tok.get_vocab_size()))
+
+
+class Counted:
+    """Outermost ASGI middleware: counts every response by endpoint and status, and turns an exception
+    no handler took into a generic 500 (logged with its traceback)."""
+
+    def __init__(self, app, metrics, known: set[str]):
+        self.app, self.metrics, self.known = app, metrics, known
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            log.exception("internal error on %s %s", scope.get("method"), scope["path"])
+            if status is None:
+                status = 500
+                await guards.send_error(send, 500, "internal server error", kind="server_error")
+        finally:
+            path = scope["path"] if scope["path"] in self.known else "other"
+            self.metrics.requests.labels(path, str(status or 500)).inc()
+
+
+def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 256,
+               limits: Limits | None = None) -> FastAPI:
+    limits = limits or Limits()
     tokenizer, capacity = scheduler.gen.tokenizer, scheduler.gen.capacity
     metrics = scheduler.metrics
     gen = scheduler.gen
+    vocab = gen.manifest.target.config.vocab_size
+    max_chars = capacity * max_token_bytes(tokenizer)
     exactness = {"lossless": gen.lossless, "exec_mode": gen.exactness.mode.name,
                  "batch_invariant": gen.exactness.lossless, "reason": gen.exactness.reason,
                  "drafter": scheduler.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
@@ -73,13 +137,12 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
 
     app = FastAPI(title="specrt", lifespan=lifespan)
     KNOWN = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}  # metric labels
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path if request.url.path in KNOWN else "other",
-                                str(response.status_code)).inc()
-        return response
+    # add_middleware: the last added runs first
+    app.add_middleware(guards.BodyGuard, max_bytes=limits.max_body_bytes, read_timeout_s=limits.read_timeout_s)
+    if limits.api_key:
+        app.add_middleware(guards.ApiKeyGuard, key=limits.api_key)
+    app.add_middleware(guards.HostGuard, allowed=list(limits.allowed_hosts))
+    app.add_middleware(Counted, metrics=metrics, known=KNOWN)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
@@ -94,10 +157,6 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-
-    @app.exception_handler(Exception)
-    async def internal(request, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
     # ── endpoints ───────────────────────────────────────────────────────────────────────────
     @app.get("/health")
@@ -119,13 +178,17 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
-        return await _serve(request, body, tokenizer.encode_prompt(body.prompt, raw=True), chat=False)
+        _check_length(len(body.prompt), "prompt")
+        ids = await asyncio.to_thread(tokenizer.encode_prompt, body.prompt, True)
+        return await _serve(request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model)
+        messages = [m.render() for m in body.messages]
+        _check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
         except SpecrtError as e:
             raise ApiError(400, str(e), "messages") from None
         return await _serve(request, body, ids, chat=True)
@@ -136,18 +199,31 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
             raise ApiError(404, f"the model {name!r} does not exist: this server serves {model_name!r}",
                            "model", "model_not_found")
 
+    def _check_length(chars: int, param: str) -> None:
+        if chars > max_chars:
+            raise ApiError(400, f"the {param} has {chars} characters: more than this server's context of {capacity} "
+                           f"tokens can hold (at most {max_chars} characters): shorten it", param,
+                           "context_length_exceeded")
+
     def _submit(body, ids: list[int]) -> Handle:
         if len(ids) >= capacity:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but this server's context is {capacity} "
                            "tokens: shorten it", "prompt", "context_length_exceeded")
         room = capacity - len(ids)
-        max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max_tokens, room)
+        limit = body.completion_limit
+        max_tokens = limit if limit is not None else min(default_max_tokens, room)
         if max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} does not fit: context {capacity} tokens − prompt "
-                           f"{len(ids)} = {room} at most", "max_tokens", "context_length_exceeded")
-        sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{field} {max_tokens} does not fit: context {capacity} tokens − prompt "
+                           f"{len(ids)} = {room} at most", field, "context_length_exceeded")
         try:
-            return scheduler.submit(ids, max_tokens, sampling, asyncio.get_running_loop())
+            check_logit_bias(body.logit_bias or {}, vocab)
+        except ValueError as e:
+            raise ApiError(400, f"logit_bias: {e}", "logit_bias") from None
+        sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
+        options = {"logit_bias": body.logit_bias, "logprobs": body.wanted_logprobs}
+        try:
+            return scheduler.submit(ids, max_tokens, sampling, asyncio.get_running_loop(), options)
         except SchedulerFull as e:
             raise ApiError(503, str(e), code="server_busy", kind="server_error") from None
         except SpecrtError as e:
@@ -159,8 +235,8 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
         created = int(time.time())
         text = TextAssembler(tokenizer.decode, body.stop)
         if body.stream:
-            return StreamingResponse(_sse(handle, text, rid, created, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(_sse(handle, body, len(ids), text, rid, created, chat),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(_watch(request, handle))
         try:
             async for tokens in handle:
@@ -168,35 +244,46 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
                     handle.cancel()
                     break
             text.flush()
-        except SpecrtError as e:
-            raise ApiError(500, str(e), kind="server_error") from None
+        except Exception:
+            log.exception("request %s failed in the engine", rid)
+            raise ApiError(500, ENGINE_FAILED, kind="server_error") from None
         finally:
             watcher.cancel()
         finish = text.finish_reason(handle.result)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": text.tokens,
-                 "total_tokens": len(ids) + text.tokens}
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish, "logprobs": _logprobs(body, handle.logprobs[: text.tokens], chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text.text}
         else:
             choice["text"] = text.text
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-               "model": model_name, "choices": [choice], "usage": usage}
+               "model": model_name, "choices": [choice], "usage": usage(len(ids), text.tokens)}
         if handle.result is not None:
             out["specrt"] = _spec_stats(handle.result)
         return out
 
-    async def _sse(handle: Handle, text: TextAssembler, rid: str, created: int, chat: bool):
+    def _logprobs(body, entries, chat: bool, offset: int = 0) -> dict | None:
+        if body.wanted_logprobs is None:
+            return None
+        if chat:
+            return chat_logprobs(entries, tokenizer.decode)
+        return completion_logprobs(entries, tokenizer.decode, offset)
+
+    async def _sse(handle: Handle, body, prompt_tokens: int, text: TextAssembler, rid: str, created: int, chat: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        sent = {"logprobs": 0, "chars": 0}  # logprob entries and text characters already streamed
 
         def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+            entries = handle.logprobs[sent["logprobs"] : text.tokens]
+            logprobs = None if first else _logprobs(body, entries, chat, sent["chars"])
+            if not first:
+                sent["logprobs"] += len(entries)
+                sent["chars"] += len(piece or "")
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
-                                          "choices": [choice]}) + "\n\n"
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
+            return _event({"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]})
 
         try:
             if chat:
@@ -214,10 +301,13 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
             if tail:
                 yield chunk(tail, None)
             yield chunk(None, text.finish_reason(handle.result))
+            if body.include_usage:
+                yield _event({"id": rid, "object": kind, "created": created, "model": model_name, "choices": [],
+                              "usage": usage(prompt_tokens, text.tokens)})
             yield "data: [DONE]\n\n"
-        except SpecrtError as e:
-            err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
-            yield "data: " + json.dumps(err) + "\n\n"
+        except Exception:
+            log.exception("request %s failed in the engine", rid)
+            yield _event({"error": {"message": ENGINE_FAILED, "type": "server_error", "param": None, "code": None}})
         finally:  # also on client disconnect (the response task is cancelled)
             handle.cancel()
 
@@ -229,6 +319,10 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     return app
+
+
+def _event(obj: dict) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
 
 
 def _spec_stats(result) -> dict:

@@ -15,17 +15,19 @@ import time
 import numpy as np
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.api import create_app
+from specrt.runtime.serving.api import Limits, create_app
+from specrt.runtime.serving.http import uvicorn_config
 from specrt.runtime.serving.scheduler import Scheduler
 
 
 @contextlib.contextmanager
-def loopback_server(app, timeout: float = 60.0):
-    """`app` served on 127.0.0.1 (a free port) in a background thread, lifespan included; yields the
-    base URL; shuts the server down on exit. The benchmark and the tests use it."""
+def loopback_server(app, timeout: float = 60.0, limits: Limits | None = None):
+    """`app` served on 127.0.0.1 (a free port) in a background thread, lifespan included, configured as
+    `specrt serve` configures it (`limits`: the app's); yields the base URL; shuts the server down on
+    exit. The benchmark and the tests use it."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, limits or Limits(), "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,17 +1,70 @@
 """OpenAI request bodies, validated: wrong types or ranges become a 400 that names the field.
 
-Fields OpenAI clients commonly send but specrt does not implement are accepted at their neutral value
-(`n: 1`, penalties `0`, `logprobs` off) and refused otherwise, so a request never silently means
-something else. Unknown extra fields are ignored, as OpenAI-compatible servers do.
+Every field of OpenAI's (and vLLM's) request bodies is either honoured or refused: fields specrt does not
+implement are accepted only at their neutral value (`n: 1`, penalties `0`, no `tools`, `response_format`
+text) and refused with a 400 naming them otherwise, so a request never silently means something else.
+Fields that do not change the output (`user`, `metadata`, `store`, `service_tier`, …) and names neither
+API defines are ignored, as OpenAI-compatible servers do. Every string must be valid Unicode text (a
+lone UTF-16 surrogate such as "\\ud800" is refused).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from specrt.runtime.logits import MAX_TOP_LOGPROBS, check_logit_bias
 
 MAX_STOP = 4
+
+
+def _unicode(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: {v[e.start : e.end]!r} at character {e.start} is an "
+                         "unpaired UTF-16 surrogate") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _neutral(*allowed: Any):
+    """A validator refusing every value of a field but its neutral ones (given, or None)."""
+
+    def check(v):
+        if v is not None and v not in allowed:
+            if not allowed:
+                raise ValueError("is not supported by this server: send the request without it")
+            raise ValueError(f"{v!r} is not supported by this server (only {' or '.join(map(repr, allowed))})")
+        return v
+
+    return AfterValidator(check)
+
+
+def _needs(flag: str):
+    """A field validator: the field may be given only when the (earlier) field `flag` is true."""
+
+    def check(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get(flag):
+            raise ValueError(f"is only allowed with {flag}: true")
+        return v
+
+    return classmethod(check)
+
+
+def _empty_list(v):
+    if v:
+        raise ValueError("is not supported by this server: send the request without it")
+    return v
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
 
 
 class _Common(BaseModel):
@@ -19,15 +72,22 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)  # vLLM's extension; 0 = off
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[int, float] | None = None
+    # implemented at their neutral value only
     n: Literal[1] = 1
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: Annotated[float | None, _neutral(0, 0.0)] = None
+    frequency_penalty: Annotated[float | None, _neutral(0, 0.0)] = None
+    repetition_penalty: Annotated[float | None, _neutral(1, 1.0)] = None  # vLLM's
+    min_p: Annotated[float | None, _neutral(0, 0.0)] = None  # vLLM's
+    min_tokens: Annotated[int | None, _neutral(0)] = None  # vLLM's
+    ignore_eos: Annotated[bool | None, _neutral(False)] = None  # vLLM's
 
     @field_validator("stop")
     @classmethod
@@ -39,12 +99,27 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v:
+            check_logit_bias(v, vocab=2**31)  # the values; the ids against the model's vocabulary: api.py
+        return v
+
+    _with_stream = field_validator("stream_options")(_needs("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-N per token
     echo: Literal[False] = False
-    logprobs: None = None
+    best_of: Annotated[int | None, _neutral(1)] = None
+    suffix: Annotated[str | None, _neutral("")] = None
 
     @field_validator("prompt")
     @classmethod
@@ -57,14 +132,67 @@ class CompletionRequest(_Common):
             raise ValueError("the prompt is empty")
         return v
 
+    @property
+    def wanted_logprobs(self) -> int | None:
+        """Top-N alternatives per token, or None when no logprobs were asked for."""
+        return self.logprobs
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
+    tool_calls: Annotated[list | None, AfterValidator(_empty_list)] = None
+
+    def render(self) -> dict:
+        """The message as the chat template takes it (text parts joined; OpenAI's `developer` is the
+        template's `system`)."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    logprobs: Literal[False] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # implemented at their neutral value only
+    tools: Annotated[list | None, AfterValidator(_empty_list)] = None
+    functions: Annotated[list | None, AfterValidator(_empty_list)] = None
+    tool_choice: Annotated[Any, _neutral("none")] = None
+    function_call: Annotated[Any, _neutral("none")] = None
+    response_format: Annotated[Any, _neutral({"type": "text"})] = None
+    modalities: Annotated[Any, _neutral(["text"])] = None
+    audio: Annotated[Any, _neutral()] = None
+    prediction: Annotated[Any, _neutral()] = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, v, info: ValidationInfo):
+        other = info.data.get("max_tokens")
+        if None not in (v, other) and v != other:
+            raise ValueError(f"{v} disagrees with max_tokens {other}: send one of them")
+        return v
+
+    _with_logprobs = field_validator("top_logprobs")(_needs("logprobs"))
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

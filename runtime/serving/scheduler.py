@@ -1,12 +1,16 @@
 """The serving scheduler: many requests share each verify pass (continuous batching).
 
 One thread owns the target graph. Each step it
-  1. admits waiting requests into free KV slots (a batch-1 prefill pass each, in the slot's view),
+  1. admits waiting requests into free KV slots (a slot is claimed under the lock the moment its request
+     leaves the queue, so `submit` never counts it free twice: the queue bound holds under bursts),
   2. drops requests whose client went away (their slot is free for the next admission),
-  3. asks every running sequence for its verify window (its own drafter, its own draft),
-  4. runs ONE target pass over all of them: windows padded to the longest, each sequence at its own
+  3. runs ONE prefill chunk (at most PREFILL_CHUNK prompt rows, batch-1, in the slot's view) of the
+     oldest sequence still prefilling — a long prompt delays the others by one chunk per step, never by
+     its whole prefill,
+  4. asks every decoding sequence for its verify window (its own drafter, its own draft),
+  5. runs ONE target pass over all of them: windows padded to the longest, each sequence at its own
      `past_len` in its own KV slot (padding rows see only themselves and are never read),
-  5. lets every sequence accept and commit its own number of tokens (ragged acceptance).
+  6. lets every sequence accept and commit its own number of tokens (ragged acceptance).
 
 Each sequence runs exactly `runtime/sequence.py`, the code `specrt generate` runs, and the target's
 kernels compute every row of a batched pass as they compute it alone (the bundle's batch-invariance
@@ -23,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +38,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
 from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
+from specrt.runtime.tree import Tree
 
 
 class SchedulerFull(SpecrtError):
@@ -49,9 +54,12 @@ class Handle:
     `cancel()` frees its slot at the scheduler's next step."""
 
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
-                 loop: asyncio.AbstractEventLoop | None):
+                 loop: asyncio.AbstractEventLoop | None, options: dict | None = None):
+        """`options`: more `Generator.sequence` arguments (`logit_bias`, `logprobs`)."""
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
+        self.options = dict(options or {})
         self.loop = loop
+        self.logprobs: list = []  # one `TokenLogprob` per delivered token when `logprobs` was asked for
         self._q: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
         self.cancelled = False
         self.result: Result | None = None
@@ -69,9 +77,10 @@ class Handle:
         elif not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._q.put_nowait, item)
 
-    def _deliver(self, tokens: list[int]) -> None:
+    def _deliver(self, tokens: list[int], logprobs: list) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        self.logprobs.extend(logprobs)  # before the tokens are queued: a consumer sees both together
         self._put(tokens)
 
     def _finish(self, result: Result | None, error: BaseException | None = None) -> None:
@@ -103,8 +112,14 @@ class _Slot:
     drafter: object
     state: object
     control: AdaptiveDepth | None
-    handle: Handle | None = None
+    handle: Handle | None = None  # set under the scheduler's lock when a request claims the slot
     seq: Sequence | None = None
+    prefill: deque[Pass] = field(default_factory=deque)  # prompt chunks not run yet (empty: decoding)
+    prefill_seconds: float = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        return self.seq is not None and not self.prefill
 
 
 class Scheduler:
@@ -154,14 +169,15 @@ class Scheduler:
             self._thread = None
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
-        """Queue a request; raises SchedulerFull when every slot is busy and `max_waiting` are waiting."""
+               loop: asyncio.AbstractEventLoop | None = None, options: dict | None = None) -> Handle:
+        """Queue a request; raises SchedulerFull when every slot is busy and `max_waiting` are waiting.
+        `options`: more `Generator.sequence` arguments (`logit_bias`, `logprobs`)."""
         check_prompt(prompt_ids, self.gen.capacity)  # refused now, not after queueing
-        handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop)
+        handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop, options)
         with self._lock:
             if self._stop:
                 raise SchedulerFull("the scheduler is shutting down")
-            if len(self.waiting) >= self.max_waiting and not self._free_slots():
+            if len(self.waiting) >= self.max_waiting + len(self._free_slots()):
                 self.metrics.rejected.inc()
                 raise SchedulerFull(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests are "
                                  "waiting: retry later")
@@ -177,11 +193,13 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(s.seq is not None for s in self.slots)
+        """Sequences holding a KV slot (prefilling or decoding)."""
+        return sum(s.handle is not None for s in self.slots)
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
     def _free_slots(self) -> list[_Slot]:
-        return [s for s in self.slots if s.seq is None]
+        """Slots no request has claimed (call with the lock held)."""
+        return [s for s in self.slots if s.handle is None]
 
     def _run(self) -> None:
         while True:
@@ -194,12 +212,14 @@ class Scheduler:
                 for slot in self._free_slots():
                     if not self.waiting:
                         break
-                    admit.append((slot, self.waiting.popleft()))
+                    slot.handle = self.waiting.popleft()  # claimed before the lock is let go
+                    admit.append(slot)
                 self.metrics.waiting.set(len(self.waiting))
-            for slot, handle in admit:
-                self._admit(slot, handle)
+            for slot in admit:
+                self._admit(slot)
             self._drop_cancelled()
-            if self.running:
+            self._prefill_chunk()
+            if any(s.decoding for s in self.slots):
                 self._step()
         for slot in self.slots:  # shutting down: nothing is left hanging
             if slot.seq is not None:
@@ -209,22 +229,44 @@ class Scheduler:
             while self.waiting:
                 self.waiting.popleft()._finish(None, SchedulerFull("the scheduler shut down"))
 
-    def _admit(self, slot: _Slot, handle: Handle) -> None:
+    def _admit(self, slot: _Slot) -> None:
+        """A claimed slot's new sequence, its prompt queued as prefill chunks (run one per step)."""
+        handle = slot.handle
         if handle.cancelled:
+            self._unclaim(slot)
             handle._finish(None, None)
             return
-        slot.handle = handle
         try:
             if slot.control is not None:
                 slot.control.begin()
             slot.seq = self.gen.sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, slot.index,
-                                         slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2)
+                                         slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2,
+                                         **handle.options)
+            slot.prefill, slot.prefill_seconds = deque(slot.seq.prefill_passes()), 0.0
             self.metrics.running.set(self.running)
-            first = slot.seq.prefill(lambda p: self._pass([p], slot.index, slot.index + 1))
-            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
-            self.metrics.time_to_first_token.observe(time.perf_counter() - handle.submitted)
-            self._deliver(slot, first)
         except Exception as e:  # this request fails; the scheduler goes on
+            self._fail([slot], e)
+
+    def _prefill_chunk(self) -> None:
+        """One prompt chunk of the sequence that was admitted first among those still prefilling; after
+        its last chunk, the first token."""
+        waiting = [s for s in self.slots if s.seq is not None and s.prefill]
+        if not waiting:
+            return
+        slot = min(waiting, key=lambda s: s.handle.submitted)
+        p = slot.prefill.popleft()
+        try:
+            t0 = time.perf_counter()
+            outs = self._pass([p], slot.index, slot.index + 1)
+            slot.seq.absorb(p, outs)
+            slot.prefill_seconds += time.perf_counter() - t0
+            if slot.prefill:
+                return
+            first = slot.seq.prefilled(outs["logits"][0], slot.prefill_seconds)
+            self.metrics.prompt_tokens.inc(len(slot.handle.prompt_ids))
+            self.metrics.time_to_first_token.observe(time.perf_counter() - slot.handle.submitted)
+            self._deliver(slot, first)
+        except Exception as e:
             self._fail([slot], e)
 
     def _drop_cancelled(self) -> None:
@@ -236,7 +278,7 @@ class Scheduler:
 
     def _step(self) -> None:
         plans: dict[int, Pass] = {}
-        for slot in [s for s in self.slots if s.seq is not None]:
+        for slot in [s for s in self.slots if s.decoding]:
             try:
                 p = slot.seq.plan()
             except Exception as e:  # this sequence's drafter failed; the others go on
@@ -249,7 +291,7 @@ class Scheduler:
         if not plans:
             return
         lo, hi = min(plans), max(plans) + 1
-        batch = [plans.get(b) for b in range(lo, hi)]
+        batch = [plans.get(b, self._idle_pass(self.slots[b])) for b in range(lo, hi)]
         t0 = time.perf_counter()
         try:
             outs = self._pass(batch, lo, hi)
@@ -273,6 +315,15 @@ class Scheduler:
             except Exception as e:
                 self._fail([slot], e)
 
+    @staticmethod
+    def _idle_pass(slot: _Slot) -> Pass | None:
+        """What a slot in a batched pass's range without a plan of its own runs. A free slot: nothing
+        (pack_windows writes a dummy row at its row 0). A slot between two prefill chunks: one dummy row
+        where its next chunk starts, which that chunk overwrites — row 0 holds its prompt's first row."""
+        if not slot.prefill:
+            return None
+        return Pass(np.zeros(1, np.int64), slot.prefill[0].past, Tree.chain(0), np.zeros(1, np.int64))
+
     def _pass(self, plans: list[Pass | None], lo: int, hi: int) -> dict[str, np.ndarray]:
         """One target pass over KV slots lo..hi-1 (`None` plans: idle slots in the range)."""
         self.gen.target.select(lo, hi)
@@ -281,26 +332,31 @@ class Scheduler:
     # ── delivery ────────────────────────────────────────────────────────────────────────────
     def _deliver(self, slot: _Slot, tokens: list[int]) -> None:
         if tokens:
-            slot.handle._deliver(tokens)
+            slot.handle._deliver(tokens, slot.seq.logprobs[len(slot.handle.logprobs):])
             self.metrics.generation_tokens.inc(len(tokens))
         if slot.seq.done:
             self._release(slot)
 
-    def _release(self, slot: _Slot) -> None:
-        seq, handle = slot.seq, slot.handle
-        slot.seq = slot.handle = None
+    def _unclaim(self, slot: _Slot) -> Handle | None:
+        """Free the slot for the next admission; its handle."""
+        handle = slot.handle
+        with self._lock:
+            slot.seq = slot.handle = None
+            slot.prefill.clear()
+            self._lock.notify_all()
         self.metrics.running.set(self.running)
+        return handle
+
+    def _release(self, slot: _Slot) -> None:
+        seq = slot.seq
+        handle = self._unclaim(slot)
         result = seq.result()
         self.metrics.finished(result.finish_reason, time.perf_counter() - handle.submitted)
         handle._finish(result)
-        with self._lock:
-            self._lock.notify_all()
 
     def _fail(self, slots: list[_Slot], error: BaseException) -> None:
         for slot in slots:
-            handle = slot.handle
-            slot.seq = slot.handle = None
+            handle = self._unclaim(slot)
             self.metrics.errors.inc()
             if handle is not None:
                 handle._finish(None, error)
-        self.metrics.running.set(self.running)

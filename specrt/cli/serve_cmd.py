@@ -20,25 +20,44 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
 @click.option("--model-name", default=None, help="The `model` clients name (default: the bundle folder's name).")
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="max_tokens when a request gives none (chat; completions default to 16 as OpenAI's).")
+@click.option("--api-key", envvar="SPECRT_API_KEY", default=None, show_envvar=True,
+              help="Clients must send `Authorization: Bearer KEY` to /v1/* (401 otherwise); /health and /metrics "
+                   "stay open.")
+@click.option("--allowed-hosts", default=None,
+              help="Comma-separated Host names the server answers (400 otherwise). Default: loopback names when "
+                   "bound to loopback (a DNS-rebinding defence), any name otherwise; '*' for any.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=4 << 20, show_default=True,
+              help="Larger request bodies are refused with 413 as they arrive.")
+@click.option("--timeout", "read_timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds a client has to send a request's head, and then its body (slow clients are dropped).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Open connections at most; beyond that the server answers 503.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @runtime_options
-def command(bundle, host, port, drafter, slots, max_waiting, model_name, default_max_tokens, log_level, **runtime):
+def command(bundle, host, port, drafter, slots, max_waiting, model_name, default_max_tokens, api_key, allowed_hosts,
+            max_body_bytes, read_timeout, max_connections, log_level, **runtime):
     """Serve BUNDLE over HTTP: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
     /health and /metrics (Prometheus)."""
     import uvicorn
 
-    from specrt.runtime.serving.api import create_app
+    from specrt.runtime.serving.api import Limits, create_app
+    from specrt.runtime.serving.guards import default_hosts
+    from specrt.runtime.serving.http import uvicorn_config
     from specrt.runtime.serving.scheduler import Scheduler
+
+    hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts else default_hosts(host)
+    limits = Limits(max_body_bytes, read_timeout, api_key or None, tuple(hosts))
 
     path = resolve_bundle(bundle)
     gen = make_generator(path, drafter, slots=slots, **runtime)
     scheduler = Scheduler(gen, max_waiting=max_waiting)
     name = model_name or path.name
-    app = create_app(scheduler, name, default_max_tokens)
+    app = create_app(scheduler, name, default_max_tokens, limits)
     for note in gen.notes:
         click.echo(note, err=True)
     click.echo(f"specrt serve: {name} ({gen.drafter_name}, {gen.slots} slots, context {gen.capacity}) on "
                f"http://{host}:{port}/v1; {gen.exactness.summary()}"
-               + ("" if gen.lossless else " — responses are NOT guaranteed to equal plain decoding"), err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+               + ("" if gen.lossless else " — responses are NOT guaranteed to equal plain decoding")
+               + ("" if api_key else "; no API key (--api-key / SPECRT_API_KEY)"), err=True)
+    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level, max_connections)).run()
