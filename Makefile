@@ -26,10 +26,10 @@ TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: serve bench-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | bench-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,8 +77,9 @@ build: export
 run: build
 	$(SPECRT) generate $(BUNDLE) --drafter $(DRAFTER) --threads $(THREADS) --prompt "$(PROMPT)"
 
-test: setup
-	$(PY) -m pytest -q tests
+# The suite includes a real tritonserver (nvidia-pytriton's binary, installed without its dependencies).
+test: setup $(VENV)/.triton-server
+	$(PY) -m pytest -q --durations=25 tests
 
 # Every drafter of the bundle, the peers (transformers, llama.cpp, onnxruntime-genai: each in its own
 # process) and plain fp32 specrt, side by side in one run.
@@ -126,6 +127,25 @@ PORT ?= 8000
 SLOTS ?= 8
 serve: $(BUNDLE)/manifest.json
 	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS)
+
+# A real Triton Inference Server (nvidia-pytriton's tritonserver, CPU) over the default bundle (Ctrl-C to stop):
+# HTTP on PORT, gRPC on PORT+1, metrics on PORT+2; INSTANCES, DRAFTER. nvidia-pytriton goes in without its
+# dependencies: specrt runs only its binary, and its numpy<2 pin would replace this venv's numpy.
+INSTANCES ?= 1
+$(VENV)/.triton-server: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps "nvidia-pytriton>=0.7"
+	touch $@
+
+serve-triton: $(BUNDLE)/manifest.json $(VENV)/.triton-server
+	$(SPECRT) serve-triton $(BUNDLE) --http-port $(PORT) --grpc-port $$(($(PORT) + 1)) \
+		--metrics-port $$(($(PORT) + 2)) --instances $(INSTANCES) --drafter $(DRAFTER) --threads $(THREADS)
+
+# 200 mixed requests at concurrency 16 (chat/completions, streamed or not, greedy and sampled) with each of
+# LOAD_DRAFTERS: every greedy response held to single-request plain decoding; p50/p95 latency, RSS.
+LOAD_DRAFTERS ?= ngram eagle3
+load-serve: build
+	for d in $(LOAD_DRAFTERS); do $(SPECRT) bench-serve $(BUNDLE) --mixed 200 --concurrency 16 --slots 8 \
+		--max-tokens 64 --drafter $$d --threads $(THREADS) --json $(SPECRT_HOME)/bench/load-$$d.json || exit 1; done
 
 # Server throughput and latency at concurrency 1, 4, 8: batched beside batch-1 serving, one run.
 bench-serve: $(BUNDLE)/manifest.json

@@ -1,9 +1,11 @@
 """Triton Inference Server Python-backend model: specrt's speculative loop behind one endpoint.
 
-`specrt export-triton` copies this file verbatim to `specrt_generate/1/model.py`. It runs inside
-Triton's Python backend stub (`triton_python_backend_utils` exists only there), with specrt installed
-in the stub's Python. Each model instance loads the bundle copied beside it (config.pbtxt parameter
-`bundle`, relative to this file) with specrt's `Generator` and answers one request at a time:
+`specrt export-triton` copies this file verbatim to `specrt_generate/1/model.py` (and, with streaming,
+to `specrt_generate_stream/1/model.py`). It runs inside Triton's Python backend stub
+(`triton_python_backend_utils` exists only there), with specrt installed in the stub's Python
+(`specrt serve-triton` builds that Python: runtime/serving/triton/server.py). Each model instance loads
+the bundle named by config.pbtxt parameter `bundle` (relative to this file) with specrt's `Generator`
+and answers one request at a time:
 
     text_input  TYPE_STRING [1]            the prompt (chat template applied unless raw=true)
     max_tokens  TYPE_INT32  [1] optional   new tokens (default: parameter max_tokens)
@@ -14,6 +16,10 @@ in the stub's Python. Each model instance loads the bundle copied beside it (con
     raw         TYPE_BOOL   [1] optional   skip the chat template
  →  text_output, finish_reason (TYPE_STRING [1]); tokens (TYPE_INT32 [1]);
     mean_accepted_length, acceptance_rate, tokens_per_s (TYPE_FP32 [1]); stats_json (TYPE_STRING [1])
+
+Decoupled (config.pbtxt `model_transaction_policy { decoupled: true }`): one response per committed
+text piece (`text_output` only), then a final response (flag COMPLETE_FINAL) with `text_output` ""
+and every other output; the pieces concatenate to the unary `text_output`.
 """
 
 import json
@@ -50,6 +56,13 @@ def _tensor(name: str, value, dtype) -> "pb_utils.Tensor":
     return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
 
+def _invalid(message: str) -> "pb_utils.TritonError":
+    """A client error: INVALID_ARG (HTTP 400) where the backend has error codes (Triton >= 23.06), else
+    the backend's default code."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
 class TritonPythonModel:
     """One `Generator` per model instance (instances do not share KV buffers)."""
 
@@ -57,7 +70,10 @@ class TritonPythonModel:
         from specrt.runtime.generate import Generator
         from specrt.schema.manifest import Manifest
 
-        params = _parameters(json.loads(args["model_config"]))
+        config = json.loads(args["model_config"])
+        params = _parameters(config)
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        self.instance = args.get("model_instance_name", "")
         bundle = Path(params["bundle"])
         if not bundle.is_absolute():
             bundle = Path(__file__).resolve().parent / bundle
@@ -69,37 +85,65 @@ class TritonPythonModel:
             threads=int(params["threads"]), num_draft_tokens=int(params["num_draft_tokens"]))
 
     def execute(self, requests):
+        if self.decoupled:  # every response goes through the request's sender; execute returns None
+            for request in requests:
+                self._stream(request)
+            return None
         return [self._respond(request) for request in requests]
 
-    def _respond(self, request):
+    def _arguments(self, request) -> dict:
+        """generate()'s keyword arguments from the request's tensors; SpecrtError / ValueError when bad."""
         from specrt.errors import SpecrtError
         from specrt.runtime.sampling import SamplingParams
 
+        prompt = _scalar(request, "text_input", None)
+        if prompt is None:
+            raise SpecrtError("the request has no text_input: send the prompt as a TYPE_STRING [1] tensor")
+        sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
+                                  top_k=int(_scalar(request, "top_k", 0)),
+                                  top_p=float(_scalar(request, "top_p", 1.0)),
+                                  seed=_scalar(request, "seed", None))
+        max_tokens = int(_scalar(request, "max_tokens", self.max_tokens))
+        if max_tokens < 1:
+            raise SpecrtError(f"max_tokens {max_tokens} must be >= 1")
+        return {"prompt": prompt, "max_new_tokens": max_tokens, "raw": bool(_scalar(request, "raw", False)),
+                "sampling": sampling}
+
+    def _respond(self, request):
+        from specrt.errors import SpecrtError
+
         try:
-            prompt = _scalar(request, "text_input", None)
-            if prompt is None:
-                raise SpecrtError("the request has no text_input: send the prompt as a TYPE_STRING [1] tensor")
-            sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
-                                      top_k=int(_scalar(request, "top_k", 0)),
-                                      top_p=float(_scalar(request, "top_p", 1.0)),
-                                      seed=_scalar(request, "seed", None))
-            max_tokens = int(_scalar(request, "max_tokens", self.max_tokens))
-            if max_tokens < 1:
-                raise SpecrtError(f"max_tokens {max_tokens} must be >= 1")
-            result = self.generator.generate(prompt, max_new_tokens=max_tokens,
-                                             raw=bool(_scalar(request, "raw", False)), sampling=sampling)
+            result = self.generator.generate(**self._arguments(request))
         except (SpecrtError, ValueError, TypeError) as e:  # a bad request fails alone, not the batch
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+            return pb_utils.InferenceResponse(output_tensors=[], error=_invalid(str(e)))
+        return pb_utils.InferenceResponse(output_tensors=self._outputs(result, result.text))
+
+    def _stream(self, request) -> None:
+        from specrt.errors import SpecrtError
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            stream = self.generator.iter_text(**self._arguments(request))
+            for piece in stream:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", piece, np.object_)]))
+        except (SpecrtError, ValueError, TypeError) as e:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_invalid(str(e))), flags=final)
+            return
+        sender.send(pb_utils.InferenceResponse(output_tensors=self._outputs(stream.result, "")), flags=final)
+
+    def _outputs(self, result, text: str) -> list:
         stats = result.stats
-        return pb_utils.InferenceResponse(output_tensors=[
-            _tensor("text_output", result.text, np.object_),
+        info = {"drafter": self.generator.drafter_name, "instance": self.instance, **stats.to_dict()}
+        return [
+            _tensor("text_output", text, np.object_),
             _tensor("finish_reason", result.finish_reason, np.object_),
             _tensor("tokens", len(result.token_ids), np.int32),
             _tensor("mean_accepted_length", stats.mean_accepted_len, np.float32),
             _tensor("acceptance_rate", stats.acceptance_rate, np.float32),
             _tensor("tokens_per_s", stats.tokens_per_s, np.float32),
-            _tensor("stats_json", json.dumps({"drafter": self.generator.drafter_name, **stats.to_dict()}), np.object_),
-        ])
+            _tensor("stats_json", json.dumps(info), np.object_),
+        ]
 
     def finalize(self):
         self.generator = None

@@ -6,6 +6,9 @@
         config.pbtxt
         1/model.py                 runtime/serving/triton/model.py, verbatim
         1/bundle/...               the bundle (hard links where possible)
+      specrt_generate_stream/      with ServeSettings.stream: the same model, decoupled (one response per
+        config.pbtxt               text piece; /generate_stream, gRPC streams); reads specrt_generate's bundle
+        1/model.py
       specrt_<role>/               onnxruntime backend, one per bundle graph (target, draft, drafters)
         config.pbtxt
         1/model.onnx + its external data file, under the name the graph refers to
@@ -33,6 +36,7 @@ from specrt.errors import SpecrtError
 from specrt.schema.manifest import Manifest
 
 GENERATE_MODEL = "specrt_generate"
+STREAM_MODEL = "specrt_generate_stream"
 PYTHON_MODEL = Path(__file__).with_name("model.py")
 VERSION = "1"
 
@@ -63,6 +67,7 @@ class ServeSettings:
     num_draft_tokens: int = 5
     max_tokens: int = 128  # default new tokens when a request sends no max_tokens
     instances: int = 1
+    stream: bool = False  # also write STREAM_MODEL, the decoupled (token streaming) twin of GENERATE_MODEL
 
 
 @dataclass(frozen=True)
@@ -136,13 +141,14 @@ def graph_config(name: str, platform: str, inputs: list[TensorSpec], outputs: li
             + ("KIND_GPU" if platform == "tensorrt_plan" else "KIND_CPU") + "\n  }\n]\n")
 
 
-def generate_config(settings: ServeSettings, bundle: str) -> str:
-    """config.pbtxt of the Python-backend model."""
+def generate_config(settings: ServeSettings, bundle: str, name: str = GENERATE_MODEL,
+                    decoupled: bool = False) -> str:
+    """config.pbtxt of a Python-backend model (`bundle`: the bundle folder, relative to its model.py)."""
     params = {"bundle": bundle, "drafter": settings.drafter, "threads": str(settings.threads),
               "max_seq_len": "" if settings.max_seq_len is None else str(settings.max_seq_len),
               "num_draft_tokens": str(settings.num_draft_tokens), "max_tokens": str(settings.max_tokens)}
-    text = (f'name: "{GENERATE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n'
-            "model_transaction_policy {\n  decoupled: false\n}\n"
+    text = (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            f"model_transaction_policy {{\n  decoupled: {str(decoupled).lower()}\n}}\n"
             + _tensors("input", [TensorSpec(n, t, (1,)) for n, t, _ in GENERATE_INPUTS],
                        {n: opt for n, _, opt in GENERATE_INPUTS})
             + _tensors("output", [TensorSpec(n, t, (1,)) for n, t in GENERATE_OUTPUTS])
@@ -203,6 +209,13 @@ def write_triton_repo(bundle: Path, out: Path, settings: ServeSettings | None = 
         _copy_bundle(bundle, version / "bundle")
         (tmp / GENERATE_MODEL / "config.pbtxt").write_text(generate_config(settings, "bundle"))
         models.insert(0, GENERATE_MODEL)
+        if settings.stream:  # one copy of the bundle: the stream model reads specrt_generate's
+            (tmp / STREAM_MODEL / VERSION).mkdir(parents=True)
+            shutil.copyfile(PYTHON_MODEL, tmp / STREAM_MODEL / VERSION / "model.py")
+            shared = f"../../{GENERATE_MODEL}/{VERSION}/bundle"
+            (tmp / STREAM_MODEL / "config.pbtxt").write_text(
+                generate_config(settings, shared, STREAM_MODEL, decoupled=True))
+            models.insert(1, STREAM_MODEL)
         (tmp / "README.md").write_text(repository_readme(manifest, models, settings))
         _replace(tmp, out)
     except BaseException:
@@ -222,6 +235,9 @@ def repository_readme(manifest: Manifest, models: list[str], settings: ServeSett
 def _describe(model: str, manifest: Manifest) -> str:
     if model == GENERATE_MODEL:
         return "Python backend: text in, text out; runs specrt's speculative loop (`Generator`) per request"
+    if model == STREAM_MODEL:
+        return ("Python backend, decoupled: the same generation streamed, one response per text piece "
+                "(`/generate_stream`, gRPC streams)")
     for role in manifest.graphs:
         if model == model_name(role):
             return f"onnxruntime backend: the bundle's `{role}` graph (`{manifest.graphs[role].file}`)"
@@ -255,7 +271,9 @@ KV cache in and out) for clients that drive the loop themselves; `specrt_generat
 ## Requirements
 
 - specrt and its dependencies installed in the Python that Triton's Python backend stub runs
-  (the stub's Python version must match: `pip install specrt` inside the Triton container).
+  (the stub's Python version must match: `pip install specrt` inside the Triton container), with
+  numpy < 2 there for Triton 2.51's stub (it reads TYPE_STRING tensors wrongly under numpy 2).
+  `specrt serve-triton` builds such a Python and runs nvidia-pytriton's `tritonserver` (CPU).
 - The onnxruntime backend's ONNX Runtime must read the graphs' opset and the `specrt` local
   functions (the bundle was checked with onnxruntime {ort}); quantized bundles also need the
   `com.microsoft` MatMulNBits kernel.
@@ -286,6 +304,14 @@ curl -s localhost:8000/v2/models/specrt_generate/generate \\
   -d '{{"text_input": "What is speculative decoding?", "max_tokens": 64, "temperature": 0.0}}'
 ```
 
+Streaming (`specrt_generate_stream`, where the repository has it: `specrt serve-triton` adds it):
+each server-sent event carries one text piece, the last one `finish_reason`, `tokens` and the statistics.
+
+```
+curl -sN localhost:8000/v2/models/specrt_generate_stream/generate_stream \\
+  -d '{{"text_input": "What is speculative decoding?", "max_tokens": 64}}'
+```
+
 KServe v2 infer endpoint (HTTP; gRPC takes the same tensors):
 
 ```
@@ -294,6 +320,25 @@ curl -s localhost:8000/v2/models/specrt_generate/infer -d '{{"inputs": [
   {{"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [64]}}]}}'
 ```
 """
+
+
+INSTANCE_COUNT = re.compile(r"(instance_group\s*\[\s*\{\s*count:\s*)(\d+)")
+
+
+def set_instance_count(repo: Path, model: str, count: int) -> int:
+    """Set `model`'s instance_group count in `repo` (config.pbtxt rewritten atomically); returns the old count."""
+    config = Path(repo) / model / "config.pbtxt"
+    if not config.is_file():
+        raise SpecrtError(f"{config} is missing: {repo} is not a specrt Triton repository (specrt export-triton)")
+    text = config.read_text()
+    match = INSTANCE_COUNT.search(text)
+    if match is None:
+        raise SpecrtError(f"{config} has no instance_group count: write the repository again (specrt export-triton)")
+    if int(match.group(2)) != count:
+        tmp = config.with_name(f".{config.name}.{os.getpid()}.tmp")
+        tmp.write_text(text[:match.start(2)] + str(count) + text[match.end(2):])
+        os.replace(tmp, config)
+    return int(match.group(2))
 
 
 def _replace(tmp: Path, out: Path) -> None:
