@@ -26,7 +26,8 @@ PROMPTS = [json.loads(line)["prompt"] for line in
            (resources.files("specrt") / "data" / "bench_prompts.jsonl").read_text().splitlines()]
 NEW_TOKENS = 64
 # (drafter, tree): None is the drafter's default shape (chain; Medusa: its stored tree; EAGLE-2/3: dynamic)
-# every runtime drafter of the registry in its default shape, plus the other shapes users pick
+# every runtime drafter of the registry in its default shape on every prompt, plus the other shapes users
+# pick on every other prompt (each category still: CI's time goes to the shapes users get by default)
 OTHER_SHAPES = [("ngram", "default"), ("draft", "default"), ("medusa", "chain"), ("eagle", "default")]
 INT4 = [(d, None) for d in runtime_drafters() if d != "plain"] + OTHER_SHAPES
 FP32 = [("ngram", None), ("ngram", "default"), ("eagle3", None)]
@@ -72,7 +73,8 @@ def test_speculative_greedy_equals_plain(reference, bundle, drafter, tree):
     gen.use(drafter, tree)
     assert gen.drafter_name == drafter, gen.notes
     drafted = 0
-    for i, (x, want) in enumerate(zip(ids, plain, strict=True)):
+    every = 2 if (drafter, tree) in OTHER_SHAPES else 1  # other shapes: every other prompt, each category
+    for i, (x, want) in list(enumerate(zip(ids, plain, strict=True)))[::every]:
         res = gen.generate_ids(x, NEW_TOKENS)
         first = next((j for j, (a, b) in enumerate(zip(res.token_ids, want, strict=False)) if a != b), None)
         assert res.token_ids == want, f"{drafter}/{tree} on {bundle}, prompt {i}: differs from token {first}"
