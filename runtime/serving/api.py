@@ -62,8 +62,7 @@ class ApiError(Exception):
 
 
 def _error(status: int, message: str, param=None, code=None, kind="invalid_request_error", headers=None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(guards.error_payload(message, kind, param, code), status_code=status, headers=headers)
 
 
 def _describe(errors) -> tuple[str, str | None]:
@@ -78,13 +77,6 @@ def _describe(errors) -> tuple[str, str | None]:
             seen[field] = True
             parts.append(f"{field}: {e.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request body", next(iter(seen), None)
-
-
-def max_token_bytes(tokenizer) -> int:
-    """The most UTF-8 bytes one token decodes to: a text of more characters than context × this cannot
-    fit the context, whatever it tokenizes to."""
-    tok = tokenizer.tok
-    return max(len(tok.decode([i], skip_special_tokens=False).encode()) for i in range(tok.get_vocab_size()))
 
 
 class Counted:
@@ -124,7 +116,7 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
     metrics = scheduler.metrics
     gen = scheduler.gen
     vocab = gen.manifest.target.config.vocab_size
-    max_chars = capacity * max_token_bytes(tokenizer)
+    max_chars = capacity * tokenizer.max_token_bytes
     exactness = {"lossless": gen.lossless, "exec_mode": gen.exactness.mode.name,
                  "batch_invariant": gen.exactness.lossless, "reason": gen.exactness.reason,
                  "drafter": scheduler.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
@@ -307,7 +299,7 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
             yield "data: [DONE]\n\n"
         except Exception:
             log.exception("request %s failed in the engine", rid)
-            yield _event({"error": {"message": ENGINE_FAILED, "type": "server_error", "param": None, "code": None}})
+            yield _event(guards.error_payload(ENGINE_FAILED, "server_error"))
         finally:  # also on client disconnect (the response task is cancelled)
             handle.cancel()
 

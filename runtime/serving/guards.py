@@ -26,13 +26,15 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
-def error_body(status: int, message: str, code: str | None = None, kind: str = "invalid_request_error",
-               param: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+def error_payload(message: str, kind: str = "invalid_request_error", param: str | None = None,
+                  code: str | None = None) -> dict:
+    """The OpenAI-style error object every refusal of the server carries."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-async def send_error(send, status: int, message: str, code: str | None = None, headers=()) -> None:
-    body = error_body(status, message, code)
+async def send_error(send, status: int, message: str, code: str | None = None, headers=(),
+                     kind: str = "invalid_request_error") -> None:
+    body = json.dumps(error_payload(message, kind, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *headers]})

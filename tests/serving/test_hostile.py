@@ -275,7 +275,7 @@ def test_engine_errors_are_generic_and_counted(guarded, monkeypatch):
 
     monkeypatch.setattr(scheduler.gen.tokenizer, "encode_prompt", crash)
     r = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
-    assert r.status_code == 500 and "secret" not in r.text
+    assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
     assert _metric(url, "/v1/completions", 500) == before + 2
     monkeypatch.undo()
     assert _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
