@@ -30,7 +30,8 @@ from specrt.export.reference_io import save_references
 from specrt.export.safetensors_file import check_folder
 from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.exactness import measure_record, store_in_manifest
-from specrt.schema.manifest import GraphEntry, Manifest, sha256_file
+from specrt.schema.digests import file_digests
+from specrt.schema.manifest import GraphEntry, Manifest
 
 PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module
 
@@ -78,7 +79,7 @@ def _save_graph(module: DecoderLM, folder: Path, role: str, source: str, progres
     files = [path, folder / "decoder.onnx.data"]
     return GraphEntry(role=role, file=f"{folder.name}/decoder.onnx", config=module.cfg,
                       inputs=[i.name for i in model.graph.input], outputs=[o.name for o in model.graph.output],
-                      opset=OPSET, source=source, sha256={f.name: sha256_file(f) for f in files})
+                      opset=OPSET, source=source, sha256=file_digests(*files))
 
 
 def parity(module: DecoderLM, onnx_path: Path, prompt_len: int = 10, window: int = 6) -> dict:
@@ -153,7 +154,7 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str) -> d
     for role, entry in graphs.items():
         path = folder / entry.file
         record["matmuls"][role] = quantize.quantize_file(path, s)
-        entry.sha256 = {f.name: sha256_file(f) for f in (path, path.with_name(path.name + ".data"))}
+        entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
     return record
 
 

@@ -26,7 +26,8 @@ from specrt.export.drafters import kind_spec
 from specrt.export.drafters.graphs import feature_graph, fuse_graph, medusa_graph
 from specrt.kinds import resolve
 from specrt.plugins.onnx_builder import OPSET
-from specrt.schema.manifest import GraphEntry, sha256_file
+from specrt.schema.digests import file_digests
+from specrt.schema.manifest import GraphEntry
 
 PARITY_TOLERANCE = 1e-3
 
@@ -46,7 +47,7 @@ def _save(model: onnx.ModelProto, path: Path, role: str, cfg, source: str) -> Gr
     files = [f for f in (path, path.parent / data) if f.is_file()]
     return GraphEntry(role=role, file=f"{path.parent.name}/{path.name}", config=cfg,
                       inputs=[i.name for i in model.graph.input], outputs=[o.name for o in model.graph.output],
-                      opset=OPSET, source=source, sha256={f.name: sha256_file(f) for f in files})
+                      opset=OPSET, source=source, sha256=file_digests(*files))
 
 
 def feature_parity(module, path: Path, prompt_len: int = 8) -> float:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.schema.checks import is_int, is_number
 
 
 @dataclass(frozen=True)
@@ -21,26 +20,18 @@ class SamplingParams:
     def __post_init__(self):
         """Refuse what would sample garbage silently: nan or inf temperature (every draw token 0), nan top_p,
         a negative seed (numpy refuses it mid-generation)."""
-        if not _finite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise SpecrtError(f"--temperature {self.temperature!r} must be a finite number >= 0 (0 means greedy)")
-        if not _integer(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise SpecrtError(f"--top-k {self.top_k!r} must be an integer >= 0 (0 means off)")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SpecrtError(f"--top-p {self.top_p!r} must be a number in (0, 1] (1 means off)")
-        if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise SpecrtError(f"--seed {self.seed!r} must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _finite(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _integer(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -64,6 +64,13 @@ class Tokenizer:
     def _template(self):
         return compile_template(self.meta["chat_template"])
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to: a text of more characters than n × this cannot be
+        fewer than n tokens, whatever it tokenizes to."""
+        tok = self.tok
+        return max(len(tok.decode([i], skip_special_tokens=False).encode()) for i in range(tok.get_vocab_size()))
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.meta.get("chat_template"))

@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from specrt.engines.ort_cpu.fuse import fuse_attention
 from specrt.plugins.tree_attention import NAME
-from specrt.schema.digests import sha256_file
+from specrt.schema.digests import file_digests
 from specrt.schema.manifest import Manifest
 
 
@@ -43,15 +43,11 @@ def build_ort(bundle: Path, manifest: Manifest, threads: int = 2) -> dict:
             (Path(scratch) / data).replace(dst.with_name(data))
             (Path(scratch) / dst.name).replace(dst)
         entry["graphs"][role] = {"file": str(dst.relative_to(bundle)), "seconds": round(time.perf_counter() - t0, 2),
-                                 "sha256": digests(dst, dst.with_name(data))}  # verified at load
+                                 "sha256": file_digests(dst, dst.with_name(data))}  # verified at load
         fused = write_fused(src, graph.config)
         if fused is not None:
-            entry.setdefault("fused", {})[role] = {"file": str(fused.relative_to(bundle)), "sha256": digests(fused)}
+            entry.setdefault("fused", {})[role] = {"file": str(fused.relative_to(bundle)), "sha256": file_digests(fused)}
     return entry
-
-
-def digests(*files: Path) -> dict[str, str]:
-    return {f.name: sha256_file(f) for f in files}
 
 
 def write_fused(src: Path, cfg) -> Path | None:

@@ -108,40 +108,36 @@ async def drive(url: str, reqs: list[dict], concurrency: int, warmup: int, rss: 
         return await asyncio.gather(*(run(client, r) for r in reqs))
 
 
-def plain_texts(gen, reqs: list[dict]) -> dict:
-    """Single-request plain greedy text of every greedy request, keyed by (prompt ids, max_tokens): one
+def _prompt_ids(tok, req: dict) -> tuple[int, ...]:
+    b = req["body"]
+    return tuple(tok.encode_chat(b["messages"]) if req["chat"] else tok.encode_prompt(b["prompt"], raw=True))
+
+
+def plain_texts(gen, reqs: list[dict]) -> list[str | None]:
+    """Single-request plain greedy text of every greedy request (None for sampled ones), in order: one
     generation per prompt at its longest length (plain greedy output is a prefix of a longer one)."""
     tok = gen.tokenizer
+    keys = [(_prompt_ids(tok, r), r["body"]["max_tokens"]) if r["body"]["temperature"] == 0 else None for r in reqs]
     longest: dict[tuple, int] = {}
-    keys = []
-    for r in reqs:
-        b = r["body"]
-        if b["temperature"] != 0:
-            keys.append(None)
-            continue
-        ids = tuple(tok.encode_chat(b["messages"]) if r["chat"] else tok.encode_prompt(b["prompt"], raw=True))
-        longest[ids] = max(longest.get(ids, 0), b["max_tokens"])
-        keys.append((ids, b["max_tokens"]))
+    for k in filter(None, keys):
+        longest[k[0]] = max(longest.get(k[0], 0), k[1])
     full = {ids: gen.generate_ids(list(ids), n).token_ids for ids, n in longest.items()}
-    return {k: tok.decode(full[k[0]][: k[1]]) for k in keys if k is not None}
+    return [None if k is None else tok.decode(full[k[0]][: k[1]]) for k in keys]
 
 
-def check(reqs: list[dict], outcomes: list[Outcome], reference: dict, gen, report: LoadReport) -> LoadReport:
-    tok = gen.tokenizer
-    for r, o in zip(reqs, outcomes, strict=True):
+def check(reqs: list[dict], outcomes: list[Outcome], reference: list[str | None], report: LoadReport) -> LoadReport:
+    """Fill `report` from the outcomes: errors, greedy responses against `reference` (plain_texts), latency."""
+    for r, o, want in zip(reqs, outcomes, reference, strict=True):
         if o.status != 200:
             report.errors.append((r["body"], o.status, o.text[:200]))
             continue
-        b = r["body"]
-        if b["temperature"] != 0:
+        if want is None:  # sampled
             continue
-        ids = tuple(tok.encode_chat(b["messages"]) if r["chat"] else tok.encode_prompt(b["prompt"], raw=True))
         report.greedy += 1
-        want = reference[(ids, b["max_tokens"])]
         if o.text == want:
             report.greedy_identical += 1
         else:
-            report.mismatches.append((b, o.text, want))
+            report.mismatches.append((r["body"], o.text, want))
     lat = np.array([o.seconds for o in outcomes])
     report.latency_p50_s = float(np.percentile(lat, 50))
     report.latency_p95_s = float(np.percentile(lat, 95))

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from specrt.runtime.logits import MAX_TOP_LOGPROBS, check_logit_bias
+from specrt.runtime.logits import MAX_TOP_LOGPROBS
 
 MAX_STOP = 4
 
@@ -79,7 +79,7 @@ class _Common(BaseModel):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = None  # ids and values checked against the model: api.py
     # implemented at their neutral value only
     n: Literal[1] = 1
     presence_penalty: Annotated[float | None, _neutral(0, 0.0)] = None
@@ -98,13 +98,6 @@ class _Common(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        if v:
-            check_logit_bias(v, vocab=2**31)  # the values; the ids against the model's vocabulary: api.py
-        return v
 
     _with_stream = field_validator("stream_options")(_needs("stream"))
 

@@ -61,7 +61,7 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
         report, outcomes, scheduler = serve_mixed(gen, reqs, concurrency, slots, progress=bar)
     click.echo("plain single-request reference of every greedy request…", err=True)
     reference = plain_texts(gen.use("plain"), reqs)
-    report = check(reqs, outcomes, reference, gen, report)
+    report = check(reqs, outcomes, reference, report)
     click.echo(f"drafter {name}, {slots} slots, {gen.threads} threads, mean batch "
                f"{np.mean(scheduler.batch_sizes):.2f}: {report.summary()}")
     for body, got, want in report.mismatches[:3]:

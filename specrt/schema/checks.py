@@ -8,6 +8,7 @@ map to one `Check` in a table, so a wrong type or range names the field, what it
 from __future__ import annotations
 
 import math
+import numbers
 import posixpath
 import re
 from collections.abc import Callable, Collection
@@ -39,12 +40,13 @@ class Check:
 
 
 def is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer (numpy's too); true/false are not."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def is_number(v: object) -> bool:
-    """A finite int or float (JSON writes 1.0 as 1 sometimes; true/false are not numbers)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite real number, int or float (JSON writes 1.0 as 1 sometimes; true/false are not numbers)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def is_bundle_path(v: object) -> bool:

@@ -25,6 +25,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_digests(*files: Path) -> dict[str, str]:
+    """{file name: SHA-256}: what the manifest records for a graph's files."""
+    return {Path(f).name: sha256_file(f) for f in files}
+
+
 class DigestCache:
     """Digests of files by (resolved path, size, mtime_ns), read from and saved to `file`."""
 

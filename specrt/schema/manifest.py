@@ -13,7 +13,6 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 from specrt.schema.checks import FieldError
 from specrt.schema.config import DecoderConfig
-from specrt.schema.digests import sha256_file  # noqa: F401  (re-exported: export writes the digests)
 from specrt.schema.manifest_schema import validate_manifest
 
 MANIFEST = "manifest.json"

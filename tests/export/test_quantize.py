@@ -68,7 +68,7 @@ def assert_exact_mode_recorded(m: Manifest) -> None:
 
 
 def test_manifest_hashes_match_the_quantized_files(quantized_tiny):
-    from specrt.schema.manifest import sha256_file
+    from specrt.schema.digests import sha256_file
 
     bundle, _ = quantized_tiny
     entry = Manifest.load(bundle).target
