@@ -56,9 +56,13 @@ def _dynamic(d: str) -> list[Candidate]:  # EAGLE-2 style: node budget per step
     return [Candidate(d, 5, tree_nodes=n) for n in (4, 6, 10)] + [Candidate(d, 5, tree_nodes=6, adaptive=True)]
 
 
+def _chain_or_tree(d: str) -> list[Candidate]:  # suffix: chains, or a tree shape's limits for its own tree
+    return _chain(d) + [Candidate(d, tree=t) for t in ("binary", "default", "wide")]
+
+
 # search spaces by name; each kind's spec (specrt/kinds/) says which one its runtime drafters use
 SPACES: dict[str, Callable[[str], list[Candidate]]] = {"chain": _chain, "stored_tree": _stored_tree,
-                                                       "dynamic": _dynamic}
+                                                       "dynamic": _dynamic, "chain_or_tree": _chain_or_tree}
 
 
 def search_space(drafter: str) -> Callable[[str], list[Candidate]]:

@@ -3,6 +3,9 @@
     drafter.propose(tokens, limits, sampling, rng) -> Proposal   (nodes after the last token)
     drafter.observe(tokens, state)                                (the committed sequence and the target's
                                                                    hidden states of all but its last token)
+    drafter.finish(tokens)                                        (a sequence ended: prompt and output)
+    drafter.share(other)                                          (read and feed `other`'s memory of
+                                                                   earlier sequences)
 
 A `Proposal` lists drafted tokens in window order (parents before children, siblings in rank
 order) with each node's window parent (0 = the root, i.e. the last committed token) and, for
@@ -88,6 +91,14 @@ class Drafter:
 
     def observe(self, tokens: list[int], state=None) -> None:
         """The committed sequence (and the target's states of all but its last token) after a step."""
+
+    def finish(self, tokens: list[int]) -> None:
+        """A sequence ended with these committed tokens (prompt and output): a drafter that learns from
+        earlier sequences (suffix) keeps them; the next `observe` starts a new sequence."""
+
+    def share(self, other: Drafter) -> None:
+        """Use `other`'s memory of earlier sequences as this drafter's own, so what either learns the
+        other reads (the serving scheduler's slots share one); a no-op for drafters without one."""
 
 
 def runtime_names(kind: str) -> tuple[str, ...]:
