@@ -65,6 +65,7 @@ class AdaptiveDepth:
         self.nodes = np.arange(1, max_depth + 1, dtype=float)  # window nodes up to depth d (chain prior)
         self.verify, self.propose = _Line(), _Line()
         self.steps = self.since_spec = 0
+        self.spec_steps = 0  # steps that drafted (the measurements behind the acceptance and T_p)
 
     def begin(self, carry: float = 0.5) -> AdaptiveDepth:
         """A new generation: the costs measured so far still hold (same machine, same graphs); the
@@ -81,18 +82,24 @@ class AdaptiveDepth:
         """Expected tokens committed per step for γ = 0..k."""
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
 
-    def choose(self) -> Decision:
-        self.steps += 1
-        if self.steps <= self.warmup:  # measure the full depth first
-            return Decision(self.k)
-        t_plain = self.verify(1)
-        costs = [t_plain]
+    def rates(self) -> np.ndarray | None:
+        """Expected committed tokens per second for γ = 0..k (γ = 0: plain decoding, 1 / T_v(1)); None
+        until both costs have been measured."""
+        costs = [self.verify(1)]
         for g in range(1, self.k + 1):
             tv, tp = self.verify(1 + self.nodes[g - 1]), self.propose(g)
             costs.append(None if tv is None or tp is None else tv + tp)
         if any(c is None for c in costs):
+            return None
+        return self.expected() / np.asarray(costs)
+
+    def choose(self) -> Decision:
+        self.steps += 1
+        if self.steps <= self.warmup:  # measure the full depth first
             return Decision(self.k)
-        rate = self.expected() / np.asarray(costs)
+        rate = self.rates()
+        if rate is None:
+            return Decision(self.k)
         best = int(rate.argmax())
         self.probing = best == 0 and self.since_spec + 1 >= self.probe_every
         if self.probing:
@@ -109,6 +116,7 @@ class AdaptiveDepth:
             self.since_spec += 1
             return
         self.since_spec = 0
+        self.spec_steps += 1
         if self.probing:  # back off while probes find nothing
             self.probe_every = self.base_probe if accepted else min(2 * self.probe_every, self.max_probe)
         self.propose.add(depth, t_propose)

@@ -13,7 +13,7 @@ nothing: one token per pass); sampled output follows the target's (warped) distr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from specrt.runtime.drafters import DrafterContext, make_drafter
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
+from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick, payoff
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, pack_windows
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
@@ -52,13 +53,18 @@ def kv_capacity(max_seq_len: int | None, cfg) -> int:
 
 
 class Generator:
-    """Speculative generation with a named drafter over a bundle's target graph (ONNX Runtime, CPU)."""
+    """Speculative generation with a named drafter, or `auto` (each request the drafter whose measured
+    pay-off is highest: runtime/payoff.py), over a bundle's target graph (ONNX Runtime, CPU)."""
 
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "ort",
-                 exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False, **drafter_options):
-        """`slots` > 1: the target's KV cache holds that many sequences (the serving scheduler batches
+                 exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False,
+                 auto_candidates: Iterable[str] | None = None, **drafter_options):
+        """`drafter` "auto": each request runs the candidate drafter (`auto_candidates`, default every
+        drafter the bundle has) whose measured pay-off is highest, with adaptive depth, or plain decoding.
+
+        `slots` > 1: the target's KV cache holds that many sequences (the serving scheduler batches
         them); `stream` and `generate` use slot 0.
 
         `exec_mode`: how target passes are shaped (runtime/exec_modes.py); auto: the cheapest mode
@@ -92,6 +98,7 @@ class Generator:
         self.target = shaped(target, mode)
         self.threads = threads
         self.state = self.new_state()
+        self.auto_candidates = self.candidates(auto_candidates)
         self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)  # then a drafter to use
         self.use(drafter)
 
@@ -99,8 +106,9 @@ class Generator:
                   **drafter_options) -> Generator:
         """Change the speculation settings every drafter shares: the current drafter is rebuilt with them
         now, the others on their next use; the target session and its KV buffers stay."""
+        name = AUTO if self.choice is not None else self.drafter_name
         self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)
-        return self.use(self.drafter_name)
+        return self.use(name)
 
     def _set_speculation(self, num_draft_tokens: int, tree: str | None, adaptive: bool, drafter_options: dict) -> None:
         """The settings every drafter shares; forgets the drafters and controllers built with other ones."""
@@ -111,6 +119,12 @@ class Generator:
         self.drafter_options = drafter_options
         self._drafters: dict = {}
         self._controls: dict = {}
+        self.choice: DrafterChoice | None = None  # set while `auto` is in use: the per-request choice
+        self.auto_tree: str | None = None  # the tree shape auto's drafters use
+        self._choices: dict = {}  # (tree, serving) -> DrafterChoice, kept while these settings hold
+        self._served: dict = {}  # auto in the serving scheduler: (slot, drafter) -> that slot's instance
+        self._served_controls: dict = {}  # … drafter -> its adaptive controller, shared by the slots
+        self.last_pick: Pick | None = None
 
     def new_state(self) -> TargetState:
         """Room for one sequence's target hidden states (learned drafters read them), with the tapped
@@ -131,13 +145,23 @@ class Generator:
     def use(self, drafter: str, tree: str | None = None, adaptive: bool | None = None) -> Generator:
         """Switch drafter (and its tree shape; default: the generator's; adaptive depth: default the
         generator's setting). Each (drafter, tree) is built once and reused; the target and its KV
-        buffers are shared."""
+        buffers are shared. "auto": every request chooses among `auto_candidates` (with `tree`), always with
+        adaptive depth; what it measured is kept for the next time auto is used."""
         self.adaptive_now = self.adaptive if adaptive is None else adaptive
         self.requested_drafter = drafter
         if drafter != "plain" and not self.exact_batches:
             self.note(f"note: speculative decoding ({drafter}) is not exact here ({self.exactness.reason}); "
                       "running plain decoding. --allow-inexact speculates anyway.")
             drafter, tree = "plain", None
+        self.choice = None
+        if drafter == AUTO:
+            self.adaptive_now, self.auto_tree = True, tree
+            self.choice = self._choice(tree, serving=False)
+            drafter = PLAIN  # until a request chooses
+        return self._switch(drafter, tree)
+
+    def _switch(self, drafter: str, tree: str | None) -> Generator:
+        """Make (drafter, tree) the current drafter, built on first use."""
         key = (drafter, tree)
         if key not in self._drafters:
             self._drafters[key] = self.new_drafter(drafter, tree)
@@ -153,10 +177,68 @@ class Generator:
     def _controller(self) -> AdaptiveDepth:
         """The adaptive-depth controller of the current drafter, kept across generations: the costs it
         measured carry over, its acceptance counts carry over at half weight."""
-        key = (self.drafter_name, id(self.drafter))
-        if key not in self._controls:
-            self._controls[key] = AdaptiveDepth(self.max_depth)
-        return self._controls[key].begin()
+        if self._drafter_key not in self._controls:
+            self._controls[self._drafter_key] = AdaptiveDepth(self.max_depth)
+        return self._controls[self._drafter_key].begin()
+
+    # ── auto: the drafter of each request by measured pay-off (runtime/payoff.py) ───────────────────
+    def candidates(self, names: Iterable[str] | None = None) -> list[str]:
+        """The drafters `auto` chooses among: `names` (checked against the bundle), default every runtime
+        drafter whose kind the bundle has; plain decoding is always the fallback."""
+        from specrt.kinds import kinds, runtime_drafters
+
+        have = [n for spec in kinds().values() if spec.available_in(self.manifest) for n in spec.runtime]
+        if names is None:
+            return have
+        names = [n.strip() for n in names if n.strip()]
+        table = runtime_drafters()
+        for n in names:
+            if n not in table:
+                raise SpecrtError(f"--auto-candidates: unknown drafter {n!r}: choose among {', '.join(have)}")
+            if n not in have:
+                raise SpecrtError(f"--auto-candidates: drafter {n!r} is not in bundle {self.bundle} (manifest.json): "
+                                  f"export it with --drafter {table[n].name}, or choose among {', '.join(have)}")
+        return names
+
+    def _choice(self, tree: str | None, serving: bool) -> DrafterChoice:
+        """auto's choice for drafters of shape `tree`; batch-1 generation and the serving scheduler (whose
+        passes are batched: other costs) each keep their own."""
+        key = (tree, serving)
+        if key not in self._choices:
+            self._choices[key] = DrafterChoice(self.auto_candidates)
+        return self._choices[key]
+
+    def _choose(self) -> None:
+        """auto, at the start of a request: switch to the drafter the measured pay-offs pick."""
+        tree = self.auto_tree
+        pays = {d: payoff(self._controls.get((d, tree))) for d in self.choice.candidates}
+        self.last_pick = self.choice.choose(pays)
+        self._switch(self.last_pick.drafter, tree)
+
+    def served_drafter(self, slot: int) -> tuple:
+        """auto in the serving scheduler: (drafter, adaptive controller or None: plain) for the request KV
+        slot `slot` admits now. The choice and one controller per drafter are shared by the slots (they measure
+        the batched passes the server runs); each slot has its own drafter instances (caches), slot 0 the
+        generator's own, as `generate` uses them."""
+        choice, tree = self._choice(self.auto_tree, serving=True), self.auto_tree
+        name = choice.choose({d: payoff(self._served_controls.get(d)) for d in choice.candidates}).drafter
+        if (name, tree) not in self._drafters:
+            self._drafters[(name, tree)] = self.new_drafter(name, tree)
+        own, shape = self._drafters[(name, tree)]
+        if (slot, name) not in self._served:
+            inst = own if slot == 0 else self.new_drafter(name, tree)[0]
+            inst.share(own)  # one server-wide memory of earlier sequences (suffix's store)
+            self._served[(slot, name)] = inst
+        if name == PLAIN:
+            return self._served[(slot, name)], None
+        if name not in self._served_controls:
+            self._served_controls[name] = AdaptiveDepth(self._depth_of(shape))
+        return self._served[(slot, name)], self._served_controls[name]  # the scheduler begins it
+
+    @property
+    def drafter_label(self) -> str:
+        """What a server reports it runs: the drafter, or "auto"."""
+        return AUTO if self.choice is not None else self.drafter_name
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -176,7 +258,10 @@ class Generator:
     @property
     def max_depth(self) -> int:
         """The deepest draft the current drafter's tree allows (adaptive depth picks 0..this)."""
-        return max(self.k, int(self.drafter_tree.depth.max()) if self.drafter_tree.size > 1 else 1)
+        return self._depth_of(self.drafter_tree)
+
+    def _depth_of(self, tree: Tree) -> int:
+        return max(self.k, int(tree.depth.max()) if tree.size > 1 else 1)
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
     def sequence(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -186,6 +271,8 @@ class Generator:
         generator's own drafter, target state and adaptive controller; the serving scheduler passes each
         slot's own. `options`: `logit_bias`, `logprobs` (runtime/logits.py)."""
         if drafter is None:
+            if self.choice is not None:
+                self._choose()
             drafter, state = self.drafter, self.state
             control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
         return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,

@@ -280,7 +280,7 @@ class Sequence:
         self.stats.seconds = time.perf_counter() - self.t0
         lossy = self.rule_name in LOSSY
         return Result(token_ids=self.out, finish_reason=self.finish or "length", stats=self.stats,
-                      lossy=lossy, lossless=self.exact and not lossy)
+                      lossy=lossy, lossless=self.exact and not lossy, drafter=getattr(self.drafter, "name", ""))
 
     def _emit(self, new: list[int]) -> str | None:
         """Commit `new` (cut at EOS / max_new_tokens); returns the finish reason once done."""

@@ -70,6 +70,7 @@ class Result:
     text: str = ""
     lossy: bool = False  # True when a lossy acceptance rule (typical) produced it
     lossless: bool = True  # False when the target's passes were not exact here or the rule was lossy
+    drafter: str = ""  # the runtime drafter that proposed (with --drafter auto: the one this request chose)
 
 
 class Timer:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator
+from specrt.runtime.payoff import AUTO
 from specrt.runtime.sampling import SamplingParams
 
 
@@ -140,7 +141,10 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
                                  "acceptance_rate": round(st.acceptance_rate, 4), "steps": st.steps,
                                  "accepted_per_position": st.accepted_per_position,
                                  "plain_steps": st.plain_steps, "mean_draft_depth": round(st.mean_draft_depth, 3),
-                                 "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()}})
+                                 "stage_seconds": {k: round(v, 4) for k, v in st.stage_seconds.items()},
+                                 "drafter_used": res.drafter})
+                    if d == AUTO:  # which drafter this request chose, why, and the pay-offs it compared
+                        rows[-1]["auto"] = gen.last_pick.to_dict()
                     outputs[(name, p.id, rep)] = res.token_ids
                     bar.update()
                 for name, peer in peers.items():
@@ -218,6 +222,11 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
                  # share of verify steps that accepted a draft at depth 1, 2, ... (τ = 1 + their sum)
                  "acceptance_by_position": [round(c / steps, 3) for c in per_pos] if steps else [],
                  "identical": _identical(rs)}
+        if any("auto" in r for r in rs):  # --drafter auto: requests per drafter it chose
+            used = defaultdict(int)
+            for r in rs:
+                used[r["drafter_used"]] += 1
+            entry["drafters_used"] = dict(sorted(used.items(), key=lambda kv: -kv[1]))
         if any(r.get("peer") for r in rs):
             entry["reference"] = rs[0].get("reference")
             same = [r.get("same_as_specrt_plain") for r in rs]
@@ -243,6 +252,8 @@ def format_table(summary: dict) -> str:
         same = s.get("same_as_specrt_plain", "")
         lines.append(f"{name:<34} {s['tokens_per_s_median']:>15.1f} {spread:>13} {sp:>9}{vs} {tau:>7} "
                      f"{s['identical']:>16} {same:>14}  {pos}")
+    lines += [f"{name}: requests ran " + ", ".join(f"{d} {n}" for d, n in s["drafters_used"].items())
+              for name, s in summary.items() if "drafters_used" in s]
     return "\n".join(lines)
 
 

@@ -199,13 +199,26 @@ def config_section(result: dict) -> str:
     return "## Configuration\n\n" + "\n".join(f"- {k}: {v}" for k, v in cfg.items())
 
 
+def auto_section(result: dict) -> str:
+    """`--drafter auto` rows: the drafter each request chose, why, and the pay-offs S it compared."""
+    rows = [[r["drafter"], r["id"], r["repeat"], r["auto"]["drafter"], r["auto"]["reason"],
+             ", ".join(f"{d} {_fmt(s)}" for d, s in r["auto"]["speedup"].items()),
+             _fmt(r.get("tokens_per_s"), ".1f"), _fmt(r.get("mean_accepted_len"))]
+            for r in result.get("rows", []) if r.get("auto")]
+    if not rows:
+        return ""
+    return ("## Drafter chosen per request (auto)\n\nPay-off S: predicted tokens/s over plain decoding's, "
+            "as measured before the request (- : not measured yet).\n\n"
+            + md_table(["engine", "prompt", "repeat", "drafter", "reason", "pay-offs S", "tok/s", "τ"], rows))
+
+
 def render_markdown(result: dict, prof: dict, roofline: dict | None) -> str:
-    parts = ["# specrt bench report", config_section(result), engines_section(result),
+    parts = ["# specrt bench report", config_section(result), engines_section(result), auto_section(result),
              category_section(result, prof["tokens_per_s_by_category"]), acceptance_section(result),
              stage_section(prof["stage_ms_per_token"]), roofline_section(roofline),
              "## Plots\n\n![tokens/s](tokens_per_s.png)\n\n![acceptance](acceptance_by_position.png)\n\n"
              "![stage time](stage_time.png)"]
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 # ── plots ─────────────────────────────────────────────────────────────────────────────────────

@@ -17,7 +17,9 @@ kernels compute every row of a batched pass as they compute it alone (the bundle
 check; tests/serving/test_scheduler.py holds served output to single-request output), so a served
 greedy request returns the same tokens as a lone one. Every slot's drafter is configured like the
 generator's current one (`Generator.use`: drafter, tree, options, adaptive depth); each slot has its
-own drafter caches, target state and adaptive-depth controller.
+own drafter caches, target state and adaptive-depth controller, and every slot's drafter shares the
+generator's memory of earlier sequences (`Drafter.share`), which each finished sequence joins
+(`Drafter.finish`).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class Scheduler:
             raise SpecrtError("the scheduler needs at least one KV slot")
         self.gen, self.max_waiting = gen, max_waiting
         self.metrics = metrics or Metrics()
-        self.drafter_name = gen.drafter_name
+        self.drafter_name = gen.drafter_label
         self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
         self.slots = [self._new_slot(i) for i in range(min(gen.slots, max_slots or gen.slots))]
         self.waiting: deque[Handle] = deque()
@@ -150,7 +152,9 @@ class Scheduler:
         slot 0), the others fresh ones configured the same; each its own adaptive-depth controller."""
         gen = self.gen
         adaptive = gen.adaptive_now and gen.drafter_name != "plain"
-        return _Slot(i, gen.drafter if i == 0 else gen.fresh_drafter(), gen.state if i == 0 else gen.new_state(),
+        drafter = gen.drafter if i == 0 else gen.fresh_drafter()
+        drafter.share(gen.drafter)  # one server-wide memory of earlier sequences (suffix's store)
+        return _Slot(i, drafter, gen.state if i == 0 else gen.new_state(),
                      AdaptiveDepth(gen.max_depth) if adaptive else None)
 
     # ── public ──────────────────────────────────────────────────────────────────────────────
@@ -237,6 +241,7 @@ class Scheduler:
             handle._finish(None, None)
             return
         try:
+            self._choose_drafter(slot)
             if slot.control is not None:
                 slot.control.begin()
             slot.seq = self.gen.sequence(handle.prompt_ids, handle.max_new_tokens, handle.sampling, slot.index,
@@ -246,6 +251,12 @@ class Scheduler:
             self.metrics.running.set(self.running)
         except Exception as e:  # this request fails; the scheduler goes on
             self._fail([slot], e)
+
+    def _choose_drafter(self, slot: _Slot) -> None:
+        """`--drafter auto`: the drafter this request runs in `slot`, chosen by measured pay-off
+        (runtime/payoff.py), with its adaptive controller; a named drafter keeps the slot's own."""
+        if self.gen.choice is not None:
+            slot.drafter, slot.control = self.gen.served_drafter(slot.index)
 
     def _prefill_chunk(self) -> None:
         """One prompt chunk of the sequence that was admitted first among those still prefilling; after
@@ -349,6 +360,7 @@ class Scheduler:
 
     def _release(self, slot: _Slot) -> None:
         seq = slot.seq
+        slot.drafter.finish(seq.tokens)  # what every slot's drafter may draft from next (suffix's store)
         handle = self._unclaim(slot)
         result = seq.result()
         self.metrics.finished(result.finish_reason, time.perf_counter() - handle.submitted)

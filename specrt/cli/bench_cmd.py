@@ -41,8 +41,9 @@ def _prompts(spec: str | None, per_category: int | None):
 @click.option("--per-category", type=click.IntRange(min=1), default=None,
               help="Use only the first N prompts of each category.")
 @click.option("--drafters", default=None,
-              help="Comma-separated drafters; NAME+adaptive runs NAME with adaptive draft depth. Default: every "
-                   "drafter the bundle has.")
+              help="Comma-separated drafters; NAME+adaptive runs NAME with adaptive draft depth; auto: each request "
+                   "the drafter whose measured pay-off is highest (rows record which). Default: every drafter the "
+                   "bundle has.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--peers", "peer_names", default="",

@@ -23,7 +23,9 @@ from specrt.kinds import runtime_drafters
 @click.option("--prompt", type=UTF8, required=True, help="The user prompt (chat-templated unless --raw).")
 @click.option("--drafter", default=None,
               help=f"{', '.join(runtime_drafters())} (learned drafters: export them with "
-                   "--drafter KIND). Default: the bundle's tuned choice (`specrt tune`), else plain.")
+                   "--drafter KIND), or auto: each request the drafter whose measured pay-off is highest, with "
+                   "adaptive depth, else plain (--auto-candidates). Default: the bundle's tuned choice "
+                   "(`specrt tune`), else plain.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--raw", is_flag=True, help="Do not apply the chat template; encode the prompt as is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -45,9 +47,10 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         stats = {k: s[k] for k in ("new_tokens", "seconds", "tokens_per_s", "steps", "mean_accepted_len",
                                    "acceptance_rate")}
         stats["detail"] = {k: v for k, v in s.items() if k not in stats}
-        click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": gen.drafter_name,
+        click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": result.drafter,
                                "finish_reason": result.finish_reason, "lossy": result.lossy,
-                               "lossless": result.lossless, "exactness": exactness_summary(gen), "stats": stats}))
+                               "lossless": result.lossless, "exactness": exactness_summary(gen), "stats": stats,
+                               **({"auto": gen.last_pick.to_dict()} if gen.choice is not None else {})}))
     else:
         stream = TextStream(gen, ids, max_new_tokens, sampling)
         for piece in stream:
@@ -56,11 +59,18 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         result = stream.result
         st = result.stats
         click.echo("")
-        click.echo(f"[{gen.drafter_name}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
+        click.echo(f"[{_label(gen, result)}] {st.new_tokens} tokens in {st.seconds:.2f}s ({st.tokens_per_s:.1f} tok/s), "
                    f"{st.steps} target passes, τ={st.mean_accepted_len:.2f}, finish={result.finish_reason}"
                    + (" [LOSSY: typical acceptance]" if result.lossy else "")
                    + (f" [NOT EXACT: {gen.exactness.reason}]" if not result.lossless and not result.lossy else ""),
                    err=True)
+
+
+def _label(gen, result) -> str:
+    """The drafter that ran; with --drafter auto, the one chosen and why."""
+    if gen.requested_drafter == "auto" and gen.last_pick is not None:
+        return f"auto: {result.drafter}, {gen.last_pick.reason}"
+    return result.drafter
 
 
 def exactness_summary(gen) -> dict:

@@ -89,6 +89,9 @@ def runtime_options(f):
         click.option("--acceptance", type=click.Choice(["auto", "greedy", "rejection", "typical"]), default="auto",
                      show_default=True, help="auto: greedy at temperature 0, else rejection sampling (both "
                      "lossless). typical: Medusa typical acceptance — LOSSY, output no longer follows the target."),
+        click.option("--auto-candidates", default=None, metavar="NAME,NAME,...",
+                     help="--drafter auto: the drafters it chooses among per request (default: every drafter the "
+                          "bundle has); plain decoding is always the fallback."),
         click.option("--ngram-max", type=click.IntRange(min=1), default=3, show_default=True,
                      help="ngram drafter: longest suffix to match."),
         click.option("--ngram-min", type=click.IntRange(min=1), default=1, show_default=True,
@@ -123,9 +126,10 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
-                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False):
+                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
-    bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding."""
+    bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
+    `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
     from specrt.runtime.generate import Generator
     from specrt.schema.manifest import Manifest
 
@@ -140,7 +144,8 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
-                     backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify)
+                     backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
+                     auto_candidates=auto_candidates.split(",") if auto_candidates else None)
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -12,7 +12,8 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
 @click.option("--drafter", default=None,
-              help="Drafter every request uses (see `specrt generate`). Default: the bundle's tuned choice, else plain.")
+              help="Drafter every request uses, or auto: each request's by measured pay-off (see `specrt generate`). "
+                   "Default: the bundle's tuned choice, else plain.")
 @click.option("--slots", type=click.IntRange(min=1, max=64), default=8, show_default=True,
               help="Sequences decoded together (KV slots; each verify pass serves all of them).")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
@@ -56,7 +57,7 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
     app = create_app(scheduler, name, default_max_tokens, limits)
     for note in gen.notes:
         click.echo(note, err=True)
-    click.echo(f"specrt serve: {name} ({gen.drafter_name}, {gen.slots} slots, context {gen.capacity}) on "
+    click.echo(f"specrt serve: {name} ({gen.drafter_label}, {gen.slots} slots, context {gen.capacity}) on "
                f"http://{host}:{port}/v1; {gen.exactness.summary()}"
                + ("" if gen.lossless else " — responses are NOT guaranteed to equal plain decoding")
                + ("" if api_key else "; no API key (--api-key / SPECRT_API_KEY)"), err=True)
