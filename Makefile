@@ -19,17 +19,20 @@ DRAFTER ?= ngram
 THREADS ?= 2
 SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
 # Learned drafters: `make train` writes $(SPECRT_HOME)/drafters/KIND; `make export` adds every one found.
-KINDS ?= draft medusa eagle eagle3 mtp
+KINDS ?= draft medusa eagle eagle3 mtp block
 TRAIN_MINUTES ?= 20
+# Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
+STORE ?= $(SPECRT_HOME)/train/store
+DISTILL_TOKENS ?= 1000000
 TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
 # evaluated when the recipe runs, so drafters trained earlier in the same `make` are included
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
 	echo --drafter $$(basename $$(dirname "$$f")); done)
 
-.PHONY: serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: distill serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | distill | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,9 +94,13 @@ bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 tune: build
 	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
-# Self-distil every drafter kind for the default model (data generated once, then ≤ TRAIN_MINUTES each).
-train: setup
-	for k in $(KINDS); do $(SPECRT) train $$k --max-minutes $(TRAIN_MINUTES) || exit 1; done
+# The target's answers at scale (resumable: run it again to go on after a stop).
+distill: setup
+	$(SPECRT) distill --tokens $(DISTILL_TOKENS) --store $(STORE)
+
+# Self-distil every drafter kind for the default model on the distilled store (≤ TRAIN_MINUTES each).
+train: distill
+	for k in $(KINDS); do $(SPECRT) train $$k --store $(STORE) --max-minutes $(TRAIN_MINUTES) || exit 1; done
 	$(SPECRT) export -o $(BUNDLE) $(DRAFTER_FLAGS)
 
 # Learned drafters on the held-out prompts (2 per category), side by side with plain and ngram.

@@ -3,6 +3,7 @@
     medusa   medusa/medusa.onnx
     eagle    eagle/layer.onnx
     eagle3   eagle3/layer.onnx, eagle3/fuse.onnx, eagle3/vocab_ids.npy (draft id -> target id)
+    block    block/layer.onnx, block/fuse.onnx, block/vocab_ids.npy (EAGLE-3's layout, mask rows)
     mtp      mtp/module_{k}.onnx, one per module
 
 Each graph's ONNX Runtime output is compared with the PyTorch module (prefill rows, then a small
@@ -50,14 +51,17 @@ def _save(model: onnx.ModelProto, path: Path, role: str, cfg, source: str) -> Gr
                       opset=OPSET, source=source, sha256=file_digests(*files))
 
 
-def feature_parity(module, path: Path, prompt_len: int = 8) -> float:
-    """Max |Δ| over logits and features: prefill rows, then a 3-node tree."""
+def feature_parity(module, path: Path, prompt_len: int = 8, mask_rows: int = 0) -> float:
+    """Max |Δ| over logits and features: prefill rows, then a 3-node tree (its last `mask_rows` nodes
+    given the mask id, for the block drafter)."""
     cfg = module.dec
     capacity = prompt_len + 4
     dec = OrtDecoder(path, cfg, capacity, threads=os.cpu_count() or 1)
     kv = module.new_kv(1, capacity)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len + 3), generator=gen)
+    if mask_rows:
+        ids[:, -mask_rows:] = -1
     hidden = torch.randn(1, prompt_len + 3, cfg.hidden_size, generator=gen)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     worst = 0.0
@@ -94,20 +98,32 @@ def eagle_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool)
     return graphs, {}, {"eagle": feature_parity(module, tmp / graphs["eagle"].file)} if check_parity else {}
 
 
-def eagle3_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
-    """eagle3/layer.onnx, eagle3/fuse.onnx (low/mid/high features -> one) and eagle3/vocab_ids.npy."""
-    folder = tmp / "eagle3"
-    graphs = {"eagle3": _save(feature_graph(module, "eagle3"), folder / "layer.onnx", "eagle3", module.dec, source),
-              "eagle3_fuse": _save(fuse_graph(module), folder / "fuse.onnx", "eagle3_fuse", target_cfg, source)}
+def _fused_layer_graphs(module, tmp: Path, source: str, check_parity: bool, role: str, target_cfg,
+                        mask_rows: int = 0) -> tuple[dict, dict, dict]:
+    """ROLE/layer.onnx, ROLE/fuse.onnx (low/mid/high features -> one) and ROLE/vocab_ids.npy: EAGLE-3's
+    layout, which the block drafter shares (its parity also run with `mask_rows` mask rows)."""
+    folder, fuse = tmp / role, f"{role}_fuse"
+    graphs = {role: _save(feature_graph(module, role), folder / "layer.onnx", role, module.dec, source),
+              fuse: _save(fuse_graph(module, fuse), folder / "fuse.onnx", fuse, target_cfg, source)}
     np.save(folder / "vocab_ids.npy", module.target_ids().numpy().astype(np.int64))
     parity = {}
     if check_parity:
         a = torch.randn(1, 3, module.fc.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            parity["eagle3_fuse"] = _session_parity(tmp / graphs["eagle3_fuse"].file, {"aux_hidden_states": a},
-                                                    module.fuse(a))
-        parity["eagle3"] = feature_parity(module, tmp / graphs["eagle3"].file)
-    return graphs, {"vocab_ids": "eagle3/vocab_ids.npy", "taps": list(module.cfg.taps)}, parity
+            parity[fuse] = _session_parity(tmp / graphs[fuse].file, {"aux_hidden_states": a}, module.fuse(a))
+        parity[role] = max(feature_parity(module, tmp / graphs[role].file, mask_rows=m) for m in {0, mask_rows})
+    return graphs, {"vocab_ids": f"{role}/vocab_ids.npy", "taps": list(module.cfg.taps)}, parity
+
+
+def eagle3_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """eagle3/layer.onnx, eagle3/fuse.onnx and eagle3/vocab_ids.npy (draft id -> target id)."""
+    return _fused_layer_graphs(module, tmp, source, check_parity, "eagle3", target_cfg)
+
+
+def block_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """block/layer.onnx, block/fuse.onnx, block/vocab_ids.npy (EAGLE-3's layout) and its static tree."""
+    graphs, extra, parity = _fused_layer_graphs(module, tmp, source, check_parity, "block", target_cfg, mask_rows=2)
+    return graphs, {**extra, "tree": medusa_tree(module.cfg.block_size)}, parity
 
 
 def mtp_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:

@@ -105,10 +105,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, k_cache, v_cache, past_len):
         q, k, v = self.project(x, cos, sin)
         t = x.shape[1]
-        for i in range(x.shape[0]):  # write the new rows in place (ONNX: TensorScatter)
-            p = int(past_len[i])
-            k_cache[i, :, p : p + t] = k[i]
-            v_cache[i, :, p : p + t] = v[i]
+        if t == 1:  # one new row per sequence (batched decoding): one indexed write per buffer
+            rows = torch.arange(x.shape[0])
+            k_cache[rows, :, past_len] = k[:, :, 0]
+            v_cache[rows, :, past_len] = v[:, :, 0]
+        else:
+            for i in range(x.shape[0]):  # write the new rows in place (ONNX: TensorScatter)
+                p = int(past_len[i])
+                k_cache[i, :, p : p + t] = k[i]
+                v_cache[i, :, p : p + t] = v[i]
         total = mask.shape[-1]
         return self.attend(q, k_cache[:, :, :total], v_cache[:, :, :total], mask)
 

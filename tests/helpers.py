@@ -48,7 +48,8 @@ def save_tiny_folder(folder: Path, model_type: str, tokenizer_dir: Path | None, 
 
 # config fields of the random drafters tests run on a tiny target (tests/conftest.py random_drafters_bundle)
 RANDOM_DRAFTERS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000},
-                   "mtp": {"num_modules": 2, "num_steps": 3}}
+                   "mtp": {"num_modules": 2, "num_steps": 3},
+                   "block": {"taps": [0, 1], "draft_vocab_size": 3000, "block_size": 4}}
 
 
 def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[tuple[str, Path]]:
@@ -65,7 +66,7 @@ def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[t
             for p in m.parameters():
                 if p.requires_grad:
                     p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            if kind == "eagle3":
+            if hasattr(m, "d2t"):  # a reduced draft vocabulary (EAGLE-3, block)
                 n = m.cfg.draft_vocab_size
                 m.d2t.copy_(torch.randperm(vocab, generator=gen)[:n].sort().values - torch.arange(n))
         drafters.save(m.eval(), folder / kind)

@@ -15,6 +15,7 @@ import numpy as np
 from torch import nn
 
 from specrt.export.decoder_graph import _DecoderGraph, _norm, _np
+from specrt.export.drafters.block import BlockHead
 from specrt.export.drafters.eagle import Eagle3Head, EagleHead
 from specrt.export.drafters.medusa import MedusaHeads
 from specrt.export.drafters.mtp import MtpModule
@@ -81,8 +82,24 @@ def _mtp_mix(fg: _FeatureGraph, ids: str, hidden: str):
     return fg.rms_norm(x, *_norm(m.block.input_layernorm), "input_layernorm"), x
 
 
-MIX = {EagleHead: _eagle_mix, Eagle3Head: _eagle3_mix, MtpModule: _mtp_mix}
-HEAD_NORM = {EagleHead: None, Eagle3Head: lambda m: m.norm, MtpModule: lambda m: m.shared_head.norm}
+def _block_mix(fg: _FeatureGraph, ids: str, hidden: str):
+    """EAGLE-3's mix, with mask rows (id < 0) reading the learned mask embedding and feature:
+
+        masked = ids < 0 ─► Where(masked, mask_embed, Gather(embed, max(ids, 0)))
+                         └► Where(masked, mask_hidden, hidden_in)
+    """
+    m, g = fg.m, fg.g
+    fg._prefix = "midlayer"
+    masked = g.op("Unsqueeze", g.op("Less", ids, g.const([0])), g.const([-1]), name="mask_rows")
+    e = g.op("Where", masked, fg.weight_of("mask_embed", m.mask_embed), fg.embed(g.op("Max", ids, g.const([0]))))
+    h = g.op("Where", masked, fg.weight_of("mask_hidden", m.mask_hidden), hidden)
+    e = fg.rms_norm(e, *_norm(m.midlayer.input_layernorm), "input_layernorm")
+    return g.op("Concat", e, fg.rms_norm(h, *_norm(m.midlayer.hidden_norm), "hidden_norm"), axis=-1), h
+
+
+MIX = {EagleHead: _eagle_mix, Eagle3Head: _eagle3_mix, MtpModule: _mtp_mix, BlockHead: _block_mix}
+HEAD_NORM = {EagleHead: None, Eagle3Head: lambda m: m.norm, MtpModule: lambda m: m.shared_head.norm,
+             BlockHead: lambda m: m.norm}
 
 
 def feature_graph(module, name: str):

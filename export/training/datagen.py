@@ -54,6 +54,19 @@ class DistillData:
     def seq(self, i: int) -> slice:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
+    def fetch(self, name: str, i: int) -> torch.Tensor:
+        """Field `name` of sequence i (the interface `store.MappedData` shares)."""
+        return getattr(self, name)[self.seq(i)]
+
+    @property
+    def has_aux(self) -> bool:
+        return self.aux.numel() > 0
+
+    def top_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each id is the target's top-1, plus 1e-3 × how often it is in the top-k lists."""
+        counts = torch.bincount(self.top_ids[:, 0], minlength=vocab_size)[:vocab_size].float()
+        return counts + 1e-3 * torch.bincount(self.top_ids.flatten(), minlength=vocab_size)[:vocab_size]
+
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 

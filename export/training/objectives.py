@@ -32,22 +32,23 @@ class Batch:
     """Right-padded sequences: tokens [B,T], hidden [B,T,H], aux, labels, `length` [B], `answer` [B,T]."""
 
     def __init__(self, data: DistillData, seqs: list[int], label_index: torch.Tensor):
-        spans = [data.seq(i) for i in seqs]
-        self.T = max(s.stop - s.start for s in spans)
-        self.length = torch.tensor([s.stop - s.start for s in spans])
+        lens = [data.seq(i).stop - data.seq(i).start for i in seqs]
+        self.T = max(lens)
+        self.length = torch.tensor(lens)
 
-        def pad(src, fill=0):
-            out = torch.full((len(spans), self.T, *src.shape[1:]), fill, dtype=src.dtype)
-            for b, s in enumerate(spans):
-                out[b, : s.stop - s.start] = src[s]
+        def pad(name, fill=0):
+            rows = [data.fetch(name, i) for i in seqs]
+            out = torch.full((len(rows), self.T, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+            for b, r in enumerate(rows):
+                out[b, : len(r)] = r
             return out
 
-        self.tokens = pad(data.tokens)
-        self.hidden = pad(data.hidden).float()
-        self.aux = pad(data.aux).float() if data.aux.numel() else None
-        lab = label_index[pad(data.top_ids)]  # into the label vocabulary; -1: not in it
+        self.tokens = pad("tokens")
+        self.hidden = pad("hidden").float()
+        self.aux = pad("aux").float() if data.has_aux else None
+        lab = label_index[pad("top_ids")]  # into the label vocabulary; -1: not in it
         self.label_top = lab[..., 0]
-        self.label_p = pad(data.top_p).masked_fill(lab < 0, 0.0)
+        self.label_p = pad("top_p").float().masked_fill(lab < 0, 0.0)
         self.label_ids = lab.clamp(min=0)
         pos = torch.arange(self.T)[None]
         self.valid = pos < self.length[:, None]
@@ -206,3 +207,26 @@ class MtpObjective(FeatureObjective):
 
     def module_for(self, step):
         return self.m.mtp[self.m.cfg.module_for(step)]
+
+
+class BlockObjective(Objective):
+    """One pass per block: copy 0 holds the real rows, copy j the mask rows at depth j+1 of every anchor
+    (export/drafters/block.py's `block_mask`); copy j row r predicts p[r+j+1]. Labels in the draft
+    vocabulary, as EAGLE-3."""
+
+    def __call__(self, batch):
+        from specrt.export.drafters.block import block_logits
+
+        k = self.m.cfg.block_size
+        rows = batch.T - 1
+        ids = batch.tokens[:, 1:]
+        lab_ids, lab_p, lab_top = batch.label_ids[:, 1:], batch.label_p[:, 1:], batch.label_top[:, 1:]
+        valid, answer = batch.valid[:, 1:], batch.answer[:, 1:]
+        logits = block_logits(self.m, ids, self.m.fuse(batch.aux)[:, :rows])
+        loss, hits = 0.0, []
+        for j in range(k):
+            part = logits[:, j * rows : (j + 1) * rows]
+            ok = shift_rows(valid, j) & valid
+            loss = loss + soft_ce(part, shift_rows(lab_ids, j), shift_rows(lab_p, j), ok)
+            hits.append(top1_hits(part, shift_rows(lab_top, j), ok & shift_rows(answer, j)))
+        return loss / k, hits

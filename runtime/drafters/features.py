@@ -67,14 +67,20 @@ class FeatureLayer:
                                      hidden_in=np.asarray(hidden, np.float32)[None])
         return logits[0], out[0]
 
-    def catch_up(self, tokens: list[int], features, upto: int) -> tuple[np.ndarray, np.ndarray]:
-        """Feed committed rows cached..upto-1 (row r: token x[r+1], feature `features(start, end)`);
-        returns (logits of row upto-1, which drafts x[upto+1]; features of the fed rows)."""
+    def catch_up(self, tokens: list[int], features, upto: int, mask_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Feed committed rows cached..upto-1 (row r: token x[r+1], feature `features(start, end)`), then
+        `mask_rows` mask rows (id -1: the block drafter's), causal over the window; returns (logits of
+        row upto-1, which drafts x[upto+1], and of each mask row; features of the fed rows). Mask rows
+        are scratch: the cache keeps only the committed rows."""
         start = min(self.cached, upto - 1)  # row upto-1 is always fed: its logits are the root's
         if start < 0:
             raise SpecrtError("internal: drafter catch-up needs at least one committed row")
         t = upto - start
-        logits, out = self.run(tokens[start + 1 : upto + 1], features(start, upto), np.arange(start, upto), start,
-                               np.tril(np.ones((t, t), bool)), [t - 1])
+        feats = features(start, upto)
+        ids = tokens[start + 1 : upto + 1] + [-1] * mask_rows
+        if mask_rows:
+            feats = np.concatenate([feats, np.zeros((mask_rows, feats.shape[1]), feats.dtype)])
+        logits, out = self.run(ids, feats, np.arange(start, upto + mask_rows), start,
+                               np.tril(np.ones((t + mask_rows, t + mask_rows), bool)), list(range(t - 1, t + mask_rows)))
         self.cached = upto
-        return logits[0], out
+        return (logits if mask_rows else logits[0]), out[:t]

@@ -9,7 +9,7 @@ import click
 from specrt import __version__
 from specrt.errors import SpecrtError
 
-COMMAND_MODULES = ("export_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
+COMMAND_MODULES = ("export_cmd", "distill_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
                    "doctor_cmd", "serve_cmd", "export_triton_cmd", "bench_serve_cmd", "serve_triton_cmd")
 
 

@@ -48,10 +48,13 @@ def _target_source(target: Path | None) -> Path:
 @click.option("--max-prompts", type=click.IntRange(min=2), default=None, help="Use only the first N prompts.")
 @click.option("--max-new-tokens", type=click.IntRange(min=8), default=160, show_default=True,
               help="Length of the target's answers used as training data.")
+@click.option("--store", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Train on a distillation store built by `specrt distill` (default: answer the prompts here). "
+                   "Epochs then default to 1.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Drafter config field, e.g. --set num_heads=5 (medusa), --set num_modules=3 (mtp).")
 def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, seed, prompts, max_prompts,
-            max_new_tokens, settings):
+            max_new_tokens, settings, store):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
     from specrt import kinds
@@ -78,10 +81,17 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
         rows = train_rows[: max_prompts - n_held] + held[:n_held]
     out = output or drafter_dir(kind)
     loaded = load_model(_target_source(target), keep_hf=False)
-    s = TrainSettings(kind=kind, epochs=epochs or kinds.kind(kind).training.epochs, max_minutes=max_minutes,
+    default_epochs = 1.0 if store else kinds.kind(kind).training.epochs
+    s = TrainSettings(kind=kind, epochs=epochs or default_epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
                       options=options)
-    metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
+    if store:
+        from specrt.export.training.loop import train
+        from specrt.export.training.store import MappedData
+
+        metrics = train(loaded.module, s, out, MappedData(store))
+    else:
+        metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
     final = metrics["final"]
     click.echo(f"{kind}: {metrics['steps_done']} steps in {final['seconds']:.0f}s"
                f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}; held-out top-1 per step "

@@ -62,8 +62,13 @@ def reference_chain(kind: str, module, target, tokens: list[int], steps: int) ->
         hidden, _ = target_states(target, tokens[:-1])
         with torch.no_grad():
             return module(hidden[m - 1])[:steps].argmax(-1).tolist()
-    taps = tuple(module.cfg.taps) if kind == "eagle3" else ()
+    taps = tuple(module.cfg.taps) if kind in ("eagle3", "block") else ()
     hidden, aux = target_states(target, tokens[:-1], taps)
+    if kind == "block":  # one causal pass: the committed rows, then steps-1 mask rows (id -1)
+        with torch.no_grad():
+            feats = torch.cat([module.fuse(aux), torch.zeros(steps - 1, aux.shape[1] // len(taps))])
+        logits, _ = rows_from_scratch(module, [*tokens[1:], *[-1] * (steps - 1)], feats)
+        return module.target_ids()[logits[m - 1 :].argmax(-1)].tolist()
     if kind in ("eagle", "eagle3"):
         with torch.no_grad():
             feats = module.fuse(aux) if kind == "eagle3" else hidden
@@ -99,7 +104,7 @@ def propose(gen: Generator, tokens: list[int], steps: int) -> list[int]:
 
 @pytest.mark.covers("proposal")
 @pytest.mark.parametrize("kind,runtime", [("draft", "draft"), ("medusa", "medusa"), ("eagle", "eagle"),
-                                          ("eagle3", "eagle3"), ("mtp", "mtp")])
+                                          ("eagle3", "eagle3"), ("mtp", "mtp"), ("block", "block")])
 def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, runtime):
     bundle, target, modules = learned
     if kind == "draft":  # the bundle's draft model: the target's first layer (draft_layers=1)
@@ -114,7 +119,7 @@ def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, run
 
 
 RUNTIME_CASES = [("draft", None), ("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
-                 ("eagle3", None), ("mtp", None)]
+                 ("eagle3", None), ("mtp", None), ("block", None), ("block", "chain")]
 
 
 def test_greedy_output_equals_plain_for_every_learned_drafter(learned):

@@ -34,7 +34,7 @@ def test_training_reports_a_curve_and_saves_checkpoints(trained):
 # measured with these settings: medusa ≥ 1.4, eagle/eagle2/eagle3/mtp ≥ 1.6; the draft model learns
 # too slowly for a seconds-long run (τ ≈ 1.04), so it is held to losslessness only
 @pytest.mark.parametrize("drafter,min_tau", [("medusa", 1.3), ("eagle", 1.4), ("eagle2", 1.4), ("eagle3", 1.4),
-                                             ("mtp", 1.4), ("draft", None)])
+                                             ("mtp", 1.4), ("block", 1.4), ("draft", None)])
 def test_trained_drafters_are_accepted_and_lossless(trained, drafter, min_tau):
     bundle, prompts, _ = trained
     gen = Generator(bundle, "plain", num_draft_tokens=4, max_seq_len=512)
@@ -52,7 +52,7 @@ def test_trained_drafters_are_accepted_and_lossless(trained, drafter, min_tau):
 
 
 @pytest.mark.parametrize("drafter,tree", [("eagle", "default"), ("medusa", "binary"), ("mtp", None),
-                                          ("eagle3", "default")])
+                                          ("eagle3", "default"), ("block", None)])
 def test_sampling_with_trained_drafters_follows_the_target(trained, drafter, tree):
     bundle, _, _ = trained
     result, detail = lossless_check(bundle, drafter, tree, samples=300, length=3, top_k=4, progress=False)

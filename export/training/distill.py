@@ -1,0 +1,98 @@
+"""`specrt distill`: build (or extend) a distillation store until it holds a budget of answer tokens.
+
+Jobs, in order: every held-out prompt once, greedy (the evaluation set); then rounds over the
+training prompts, round 0 greedy and each later round sampled at `temperature` with a seed of its
+own, so one prompt yields several distinct answers. Job ids are "ROUND:PROMPT_ID": a rerun skips
+the jobs the store already holds and goes on where the last run stopped, and a larger budget
+extends the same store. Prompts come from the shipped corpus or the user's JSONL; the held-out
+split is never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specrt.export.loading import LoadedModel
+from specrt.export.training.answers import Job, answer_jobs, quantized
+from specrt.export.training.datagen import encode
+from specrt.export.training.store import MappedData, ShardWriter
+
+SHARD_ROWS = 16_384
+
+
+def store_key(loaded: LoadedModel, prompts: list[dict], max_new_tokens: int, taps, temperature: float,
+              precision: str) -> dict:
+    """What the store's data depends on (a store built with other settings is refused)."""
+    src = Path(loaded.source)
+    stat = f"{src.resolve()}:{src.stat().st_size}" if src.exists() else str(loaded.source)
+    digest = hashlib.sha256("\n".join(f"{p['split']}\t{p['prompt']}" for p in prompts).encode()).hexdigest()[:16]
+    return {"source": stat, "prompts": digest, "max_new_tokens": max_new_tokens, "taps": list(taps),
+            "temperature": temperature, "precision": precision}
+
+
+def default_store(cache_dir: Path, key: dict) -> Path:
+    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
+    return cache_dir / f"store-{digest}"
+
+
+def jobs_for(loaded: LoadedModel, prompts: list[dict], temperature: float, done: set[str]) -> Iterator[Job]:
+    encoded = {p["id"]: encode(loaded, p["prompt"]) for p in prompts}
+    for p in prompts:
+        if p["split"] == "heldout" and f"0:{p['id']}" not in done:
+            yield Job(f"0:{p['id']}", encoded[p["id"]], 0.0, True)
+    train = [p for p in prompts if p["split"] != "heldout"]
+    for r in itertools.count():
+        for p in train:
+            job = f"{r}:{p['id']}"
+            if job not in done:
+                yield Job(job, encoded[p["id"]], 0.0 if r == 0 else temperature, False)
+
+
+def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: int, max_new_tokens: int,
+                taps: tuple[int, ...], temperature: float = 0.8, precision: str = "int8", slots: int = 64,
+                max_minutes: float | None = None, progress: bool = True) -> dict:
+    """Generate until the store at `root` holds `tokens` training answer tokens (or `max_minutes` have
+    passed: no job starts after that, the ones in flight finish); returns a summary."""
+    writer = ShardWriter(root, taps, store_key(loaded, prompts, max_new_tokens, taps, temperature, precision))
+    have = writer.answer_tokens
+    heldout_ids = {p["id"] for p in prompts if p["split"] == "heldout"}
+    missing_heldout = any(f"0:{i}" not in writer.done_jobs for i in heldout_ids)
+    counted = {"train": sum(s["answer_tokens"] - s.get("heldout_tokens", 0) for s in writer.meta["shards"])}
+    summary = {"store": str(root), "had_answer_tokens": have, "target_tokens": tokens}
+    if counted["train"] >= tokens and not missing_heldout:
+        return {**summary, "made": 0, "seconds": 0.0, "answer_tokens": have}
+
+    def on_done(job: Job, fields: dict, prompt_len: int) -> None:
+        writer.add(job.id, fields, prompt_len, job.heldout)
+        if not job.heldout:
+            counted["train"] += len(fields["tokens"]) - prompt_len
+        if writer.pending_rows() >= SHARD_ROWS:
+            writer.flush()
+
+    module = quantized(loaded.module, precision)
+    bar = tqdm(total=tokens, initial=min(counted["train"], tokens), desc="distill answers", unit="tok",
+               disable=not progress, smoothing=0.05, mininterval=5)
+    t0 = time.perf_counter()
+
+    def stop() -> bool:
+        return counted["train"] >= tokens or (max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes)
+
+    try:
+        made = answer_jobs(module, jobs_for(loaded, prompts, temperature, writer.done_jobs), max_new_tokens, taps,
+                           on_done, slots=slots, stop=stop, progress=bar)
+    finally:
+        writer.flush()  # what finished is kept, even when interrupted
+        bar.close()
+    seconds = time.perf_counter() - t0
+    return {**summary, "made": made, "seconds": round(seconds, 1), "tokens_per_second": round(made / max(seconds, 1e-9), 1),
+            "answer_tokens": writer.answer_tokens, "train_answer_tokens": counted["train"]}
+
+
+def load_store(root: Path) -> MappedData:
+    return MappedData(root)

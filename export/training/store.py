@@ -1,0 +1,143 @@
+"""A resumable, memory-mapped store of distillation data: the target's answers and its state at every
+position, written in shards as generation goes, read back without loading it into memory.
+
+    STORE/meta.json            taps, sizes, the shards in order, the job ids each one holds
+    STORE/shard-00007/*.npy    tokens int32 [N] · hidden fp16 [N,H] · aux fp16 [N,A] · top_ids int32 [N,K]
+                               top_p fp16 [N,K] · offsets int64 [S+1] · prompt_lens int64 [S] · heldout bool [S]
+
+A shard is written under a temporary name and renamed, then meta.json is replaced: an interrupted run
+loses at most the shard it was filling, and the next run skips every job a listed shard holds.
+`MappedData` is what training reads: the same interface as the in-memory `DistillData`, with each
+sequence's rows fetched from the shard files (np.load mmap) when a batch needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.errors import SpecrtError
+
+FIELDS = {"tokens": np.int32, "hidden": np.float16, "aux": np.float16, "top_ids": np.int32, "top_p": np.float16}
+VERSION = 1
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+class ShardWriter:
+    """Appends finished sequences to a store folder, one shard per `flush`."""
+
+    def __init__(self, root: Path, taps: tuple[int, ...], key: dict):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        meta = self.root / "meta.json"
+        if meta.is_file():
+            self.meta = json.loads(meta.read_text())
+            if self.meta.get("key") != key:
+                raise SpecrtError(f"{self.root} holds distillation data for other settings ({self.meta.get('key')}); "
+                                  "remove it or choose another folder")
+        else:
+            self.meta = {"version": VERSION, "key": key, "taps": list(taps), "shards": []}
+        for stale in self.root.glob(".shard-*"):  # a shard an interrupted run was writing
+            shutil.rmtree(stale, ignore_errors=True)
+        self.pending: list[dict] = []
+
+    @property
+    def done_jobs(self) -> set[str]:
+        return {j for s in self.meta["shards"] for j in s["jobs"]}
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(s.get("answer_tokens", 0) for s in self.meta["shards"])
+
+    def add(self, job: str, fields: dict[str, np.ndarray], prompt_len: int, heldout: bool) -> None:
+        self.pending.append({"job": job, "fields": fields, "prompt_len": prompt_len, "heldout": heldout})
+
+    def pending_rows(self) -> int:
+        return sum(len(p["fields"]["tokens"]) for p in self.pending)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"shard-{len(self.meta['shards']):05d}"
+        tmp = self.root / f".{name}.partial-{os.getpid()}"
+        tmp.mkdir()
+        for f, dtype in FIELDS.items():
+            np.save(tmp / f"{f}.npy", np.concatenate([p["fields"][f] for p in self.pending]).astype(dtype, copy=False))
+        lens = [len(p["fields"]["tokens"]) for p in self.pending]
+        np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        np.save(tmp / "prompt_lens.npy", np.array([p["prompt_len"] for p in self.pending], np.int64))
+        np.save(tmp / "heldout.npy", np.array([p["heldout"] for p in self.pending], bool))
+        tmp.rename(self.root / name)
+        answers = [n - p["prompt_len"] for n, p in zip(lens, self.pending, strict=True)]
+        held = sum(a for a, p in zip(answers, self.pending, strict=True) if p["heldout"])
+        self.meta["shards"].append({"name": name, "rows": int(sum(lens)), "answer_tokens": int(sum(answers)),
+                                    "heldout_tokens": int(held),
+                                    "jobs": [p["job"] for p in self.pending]})
+        _write_json(self.root / "meta.json", self.meta)
+        self.pending = []
+
+
+class MappedData:
+    """A store's shards as one dataset (the interface training uses; rows stay on disk until fetched)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        meta_path = self.root / "meta.json"
+        if not meta_path.is_file():
+            raise SpecrtError(f"{self.root} is not a distillation store (no meta.json): build it with specrt distill")
+        meta = json.loads(meta_path.read_text())
+        self.taps = tuple(meta["taps"])
+        self.shards = []
+        starts, prompt_lens, heldout, where = [0], [], [], []
+        for s, shard in enumerate(meta["shards"]):
+            folder = self.root / shard["name"]
+            arrays = {f: np.load(folder / f"{f}.npy", mmap_mode="r") for f in FIELDS}
+            offsets = np.load(folder / "offsets.npy")
+            self.shards.append(arrays)
+            for i in range(len(offsets) - 1):
+                where.append((s, int(offsets[i]), int(offsets[i + 1])))
+                starts.append(starts[-1] + int(offsets[i + 1] - offsets[i]))
+            prompt_lens.append(np.load(folder / "prompt_lens.npy"))
+            heldout.append(np.load(folder / "heldout.npy"))
+        if not where:
+            raise SpecrtError(f"{self.root} holds no sequences yet: build it with specrt distill")
+        self._where = where
+        self.offsets = torch.tensor(starts)
+        self.prompt_lens = torch.from_numpy(np.concatenate(prompt_lens))
+        self.heldout = torch.from_numpy(np.concatenate(heldout))
+        self.answer_tokens = sum(s.get("answer_tokens", 0) for s in meta["shards"])
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def seq(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def fetch(self, name: str, i: int) -> torch.Tensor:
+        """Field `name` of sequence i (fp16 fields stay fp16; ints become int64)."""
+        s, a, b = self._where[i]
+        x = np.asarray(self.shards[s][name][a:b])
+        return torch.from_numpy(x.astype(np.int64) if x.dtype == np.int32 else x.copy())
+
+    @property
+    def has_aux(self) -> bool:
+        return self.shards[0]["aux"].shape[1] > 0
+
+    def top_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each id is the target's top-1, plus 1e-3 × how often it is in the top-k lists."""
+        counts = torch.zeros(vocab_size, dtype=torch.float64)
+        for arrays in self.shards:
+            ids = np.asarray(arrays["top_ids"])
+            counts += torch.from_numpy(np.bincount(ids[:, 0], minlength=vocab_size)[:vocab_size].astype(np.float64))
+            counts += 1e-3 * torch.from_numpy(np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size])
+        return counts.float()

@@ -1,0 +1,63 @@
+"""The one-pass block drafter: one feature-layer pass over the new committed rows and K-1 mask rows
+gives the draft distributions of depths 1..K (export/drafters/block.py). Its cost does not grow
+with depth. The tree is static (the stored Medusa-style tree, or the generator's): a node at depth d
+takes depth d's r-th candidate, whatever its parent, as Medusa's heads do. With sampling each node
+is an i.i.d. draw from depth d's warped distribution, recorded as q, so rejection stays lossless."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
+from specrt.runtime.drafters.features import FeatureLayer, TargetState
+from specrt.runtime.drafters.static_tree import expand_static
+from specrt.runtime.sampling import SamplingParams, top_desc, warp
+
+
+class BlockDrafter(Drafter):
+    name = "block"
+    needs_hidden = True
+
+    def __init__(self, ctx: DrafterContext):
+        import onnxruntime as ort
+
+        from specrt.engines.ort_cpu.runner import session_options
+
+        entry = ctx.manifest.drafter("block", ctx.bundle)
+        self.block = int(entry["config"]["block_size"])
+        self.shape = ctx.tree
+        layer, fuse = entry["graphs"]
+        cfg = ctx.manifest.graphs[layer].config
+        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, layer), cfg, ctx.capacity + self.block, ctx.threads)
+        self.fuse = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, fuse)),
+                                         session_options(ctx.threads, spin=False), providers=["CPUExecutionProvider"])
+        self.vocab_ids = np.load(ctx.bundle / entry["vocab_ids"], allow_pickle=False)  # draft id -> target id
+        self.vocab_size = ctx.manifest.target.config.vocab_size
+        self.state: TargetState | None = None
+
+    def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
+        self.state = state
+        self.layer.sync(tokens)
+
+    def features(self, start: int, end: int) -> np.ndarray:
+        return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]
+
+    def _dist(self, logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+        full = np.zeros(self.vocab_size, np.float32)
+        full[self.vocab_ids] = warp(logits, sampling)
+        return full
+
+    def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
+        m = len(tokens) - 1
+        keep = self.shape.kept(max_nodes, min(max_depth, self.block))
+        if m < 1 or not keep:
+            return Proposal()
+        depth = int(self.shape.depth[keep].max())
+        logits = np.atleast_2d(self.layer.catch_up(tokens, self.features, m, mask_rows=depth - 1)[0])  # [depth, V']
+        width = max(self.shape.ranks[i] for i in keep) + 1
+        top = cache(lambda d: self.vocab_ids[top_desc(logits[d], width)])
+        q = cache(lambda d: self._dist(logits[d], sampling))
+        return expand_static(self.shape, keep, sampling, rng, ranked=lambda p, n: top(int(self.shape.depth[p]))[:n],
+                             dist=lambda p: q(int(self.shape.depth[p])))

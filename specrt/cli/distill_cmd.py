@@ -1,0 +1,64 @@
+"""`specrt distill`: the target answers a prompt corpus at scale; its states go to a resumable store."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import click
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.command("distill")
+@click.option("--target", type=click.Path(path_type=Path), default=None,
+              help="Target model folder / .gguf, or a bundle exported from one. Default: the embedded model.")
+@click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help='JSONL prompt corpus, one {"prompt": ..., "split": "train"|"heldout"} per line. Default: the shipped one.')
+@click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Training answer tokens the store should hold (a rerun resumes or extends it).")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Start no answer after this long (answers in flight finish; rerun to go on).")
+@click.option("--max-new-tokens", type=click.IntRange(min=8), default=192, show_default=True,
+              help="Longest answer per prompt.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True, max=2), default=0.8, show_default=True,
+              help="Sampling temperature of the answers after the first (greedy) round over the prompts.")
+@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True,
+              help="The target's linear layers while generating (int8: dynamic quantization, faster on CPUs).")
+@click.option("--slots", type=click.IntRange(min=1, max=512), default=64, show_default=True,
+              help="Sequences generated at once.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads (default: every core; fewer when other work shares the machine).")
+@click.option("--store", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Store folder. Default: one per target and settings under $SPECRT_HOME/train/cache.")
+def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, slots, threads, store):
+    """Build a distillation store: the target's answers to the corpus (held-out prompts once, greedy; training
+    prompts in rounds, the first greedy, later ones sampled), with its hidden states (fp16) and top-k
+    next-token distributions at every position, in memory-mapped shards that `specrt train --store` reads."""
+    import torch
+
+    from specrt.cli.train_cmd import _target_source
+    from specrt.export.drafters.eagle import default_taps
+    from specrt.export.loading import load_model
+    from specrt.export.training.corpus import load_prompts
+    from specrt.export.training.distill import build_store, default_store, store_key
+    from specrt.paths import train_cache_dir
+
+    if threads:
+        torch.set_num_threads(threads)
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped run keeps what finished (a rerun resumes)
+    rows = load_prompts(path=prompts)
+    loaded = load_model(_target_source(target), keep_hf=False)
+    taps = tuple(default_taps(loaded.module.cfg.num_layers))
+    root = store or default_store(train_cache_dir(), store_key(loaded, rows, max_new_tokens, taps, temperature, precision))
+    summary = build_store(loaded, rows, root, tokens, max_new_tokens, taps, temperature, precision, slots, max_minutes)
+    runs = root / "runs.jsonl"
+    with runs.open("a") as f:
+        f.write(json.dumps(summary) + "\n")
+    rate = summary.get("tokens_per_second")
+    click.echo(f"store {root}: {summary['answer_tokens']:,} answer tokens ({summary.get('made', 0):,} made in "
+               f"{summary.get('seconds', 0):.0f}s{f', {rate:.0f} tok/s' if rate else ''})")
+    click.echo(f"next: specrt train KIND --store {root}")
