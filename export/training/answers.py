@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-TOP_K = 16
+from specrt.export.training.datagen import TOP_K, _top
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,6 @@ def quantized(module: torch.nn.Module, precision: str) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(copy.deepcopy(module), {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    p = logits.float().softmax(-1)
-    vals, ids = p.topk(TOP_K, -1)
-    return ids, vals / vals.sum(-1, keepdim=True)
 
 
 class _Slot:

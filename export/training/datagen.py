@@ -62,10 +62,10 @@ class DistillData:
     def has_aux(self) -> bool:
         return self.aux.numel() > 0
 
-    def top_counts(self, vocab_size: int) -> torch.Tensor:
-        """How often each id is the target's top-1, plus 1e-3 × how often it is in the top-k lists."""
-        counts = torch.bincount(self.top_ids[:, 0], minlength=vocab_size)[:vocab_size].float()
-        return counts + 1e-3 * torch.bincount(self.top_ids.flatten(), minlength=vocab_size)[:vocab_size]
+    def top_counts(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(how often each id is the target's top-1, how often it is in the top-k lists)."""
+        return (torch.bincount(self.top_ids[:, 0], minlength=vocab_size)[:vocab_size].float(),
+                torch.bincount(self.top_ids.flatten(), minlength=vocab_size)[:vocab_size].float())
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file

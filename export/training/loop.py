@@ -46,10 +46,11 @@ class TrainSettings:
     options: dict = field(default_factory=dict)  # kind config fields, e.g. num_heads
 
 
-def label_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
+def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> torch.Tensor:
     """Target ids the drafter is scored over in training: the `size` most frequent target top-1
     tokens (then the most frequent in the top-k lists). EAGLE-3 keeps it as its draft vocabulary;
     for the others it only bounds the training LM-head cost (their graphs keep the full head)."""
+    counts = top1 + 1e-3 * anywhere
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
 
 
@@ -93,8 +94,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     kind = settings.kind
     spec = drafters.kind_spec(kind).training
     torch.manual_seed(settings.seed)
-    counts = data.top_counts(target.cfg.vocab_size)
-    vocab = label_vocabulary(counts, settings.draft_vocab)
+    top1, anywhere = data.top_counts(target.cfg.vocab_size)
+    vocab = label_vocabulary(top1, anywhere, settings.draft_vocab)
     options = dict(settings.options)
     if spec.options_from_data:  # settings the data decides (EAGLE-3: its taps and draft vocabulary)
         options = resolve(spec.options_from_data)(options, data, vocab)
@@ -157,7 +158,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
                "precision": "bf16-autocast" if autocast_dtype() is not None else "fp32", "steps_done": step, "cut_by_max_minutes": cut,
                "train_sequences": len(train_seqs), "heldout_sequences": len(held),
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
-               "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(counts[vocab].sum() / counts.sum()), 4),
+               "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),
                "curve": curve, "final": curve[-1]}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot_curves({kind: metrics}, out / "tau_curve.png", f"specrt train {kind}")

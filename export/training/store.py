@@ -133,11 +133,11 @@ class MappedData:
     def has_aux(self) -> bool:
         return self.shards[0]["aux"].shape[1] > 0
 
-    def top_counts(self, vocab_size: int) -> torch.Tensor:
-        """How often each id is the target's top-1, plus 1e-3 × how often it is in the top-k lists."""
-        counts = torch.zeros(vocab_size, dtype=torch.float64)
+    def top_counts(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(how often each id is the target's top-1, how often it is in the top-k lists), over every shard."""
+        top1, anywhere = np.zeros(vocab_size), np.zeros(vocab_size)
         for arrays in self.shards:
             ids = np.asarray(arrays["top_ids"])
-            counts += torch.from_numpy(np.bincount(ids[:, 0], minlength=vocab_size)[:vocab_size].astype(np.float64))
-            counts += 1e-3 * torch.from_numpy(np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size])
-        return counts.float()
+            top1 += np.bincount(ids[:, 0], minlength=vocab_size)[:vocab_size]
+            anywhere += np.bincount(ids.ravel(), minlength=vocab_size)[:vocab_size]
+        return torch.from_numpy(top1).float(), torch.from_numpy(anywhere).float()
