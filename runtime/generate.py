@@ -117,8 +117,9 @@ class Generator:
         self.tree_given = tree is not None
         self.adaptive = adaptive  # choose the draft depth each step (runtime/adaptive.py)
         self.drafter_options = drafter_options
-        self._drafters: dict = {}
-        self._controls: dict = {}
+        self._drafters: dict = {}  # (drafter, tree, scope) -> (instance, tree shape)
+        self._controls: dict = {}  # … -> its adaptive controller
+        self.scope: str | None = None  # whose drafter instances `use` picks (see `use`)
         self.choice: DrafterChoice | None = None  # set while `auto` is in use: the per-request choice
         self.auto_tree: str | None = None  # the tree shape auto's drafters use
         self._choices: dict = {}  # (tree, serving) -> DrafterChoice, kept while these settings hold
@@ -142,12 +143,16 @@ class Generator:
         ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads, shape, dict(self.drafter_options))
         return make_drafter(drafter, ctx), shape
 
-    def use(self, drafter: str, tree: str | None = None, adaptive: bool | None = None) -> Generator:
+    def use(self, drafter: str, tree: str | None = None, adaptive: bool | None = None,
+            scope: str | None = None) -> Generator:
         """Switch drafter (and its tree shape; default: the generator's; adaptive depth: default the
         generator's setting). Each (drafter, tree) is built once and reused; the target and its KV
         buffers are shared. "auto": every request chooses among `auto_candidates` (with `tree`), always with
-        adaptive depth; what it measured is kept for the next time auto is used."""
+        adaptive depth; what it measured is kept for the next time auto is used. `scope`: a name whose
+        drafters and controllers are its own (a benchmark gives each engine one, so that one engine's
+        memory of earlier sequences, suffix's store, never drafts for another)."""
         self.adaptive_now = self.adaptive if adaptive is None else adaptive
+        self.scope = scope
         self.requested_drafter = drafter
         if drafter != "plain" and not self.exact_batches:
             self.note(f"note: speculative decoding ({drafter}) is not exact here ({self.exactness.reason}); "
@@ -162,7 +167,7 @@ class Generator:
 
     def _switch(self, drafter: str, tree: str | None) -> Generator:
         """Make (drafter, tree) the current drafter, built on first use."""
-        key = (drafter, tree)
+        key = (drafter, tree, self.scope)
         if key not in self._drafters:
             self._drafters[key] = self.new_drafter(drafter, tree)
         self.drafter_name, (self.drafter, self.drafter_tree) = drafter, self._drafters[key]
@@ -172,7 +177,12 @@ class Generator:
     def fresh_drafter(self):
         """Another instance of the current drafter, configured exactly like it (name, tree, options) but
         with its own caches: the serving scheduler gives one to each further KV slot."""
-        return self.new_drafter(*self._drafter_key)[0]
+        return self.new_drafter(*self._drafter_key[:2])[0]
+
+    def forget(self) -> None:
+        """Every drafter built so far drops its memory of earlier sequences (suffix's store)."""
+        for inst, _ in self._drafters.values():
+            inst.forget()
 
     def _controller(self) -> AdaptiveDepth:
         """The adaptive-depth controller of the current drafter, kept across generations: the costs it
@@ -211,7 +221,7 @@ class Generator:
     def _choose(self) -> None:
         """auto, at the start of a request: switch to the drafter the measured pay-offs pick."""
         tree = self.auto_tree
-        pays = {d: payoff(self._controls.get((d, tree))) for d in self.choice.candidates}
+        pays = {d: payoff(self._controls.get((d, tree, self.scope))) for d in self.choice.candidates}
         self.last_pick = self.choice.choose(pays)
         self._switch(self.last_pick.drafter, tree)
 
@@ -222,9 +232,10 @@ class Generator:
         generator's own, as `generate` uses them."""
         choice, tree = self._choice(self.auto_tree, serving=True), self.auto_tree
         name = choice.choose({d: payoff(self._served_controls.get(d)) for d in choice.candidates}).drafter
-        if (name, tree) not in self._drafters:
-            self._drafters[(name, tree)] = self.new_drafter(name, tree)
-        own, shape = self._drafters[(name, tree)]
+        key = (name, tree, None)
+        if key not in self._drafters:
+            self._drafters[key] = self.new_drafter(name, tree)
+        own, shape = self._drafters[key]
         if (slot, name) not in self._served:
             inst = own if slot == 0 else self.new_drafter(name, tree)[0]
             inst.share(own)  # one server-wide memory of earlier sequences (suffix's store)

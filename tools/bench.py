@@ -101,7 +101,10 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
     """Every (drafter, tree) and peer on every prompt, interleaved. With sampling, each run uses the
     same seed; `identical_to_plain` is then reported only for greedy runs. Before each timed run the
     process idles `cooldown` seconds (not timed) so the previous engine's spinning worker threads
-    (ONNX Runtime's, OpenMP's in llama.cpp and torch) have gone to sleep and do not steal its cores."""
+    (ONNX Runtime's, OpenMP's in llama.cpp and torch) have gone to sleep and do not steal its cores.
+    Each engine has drafter instances of its own: a drafter that remembers earlier sequences (suffix) drafts
+    only from the prompts this engine ran before in the same repeat, never from another engine's answer
+    to the same prompt, the warm-up or an earlier repeat."""
     peers = {n: p if isinstance(p, Peer) else Peer(p) for n, p in (peers or {}).items()}
     sampling = sampling or SamplingParams()
     configs = {"plain": ("plain", None, None)}  # plain is the reference for every ratio
@@ -114,13 +117,13 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
         if peer.reference is not None and peer.reference not in configs and peer.reference not in peers:
             raise SpecrtError(f"peer {name!r} is checked against {peer.reference!r}, "
                               "which is not in this run")
-    for d, a, t in configs.values():
-        gen.use(d, t, a)
+    for name, (d, a, t) in configs.items():
+        gen.use(d, t, a, scope=name)
     encoded = {p.id: gen.tokenizer.encode_prompt(p.prompt, raw) for p in prompts}
     # warm-up: every engine once on the first prompt
     first = encoded[prompts[0].id]
-    for d, a, t in configs.values():
-        gen.use(d, t, a).generate_ids(first, min(16, max_new_tokens), sampling)
+    for name, (d, a, t) in configs.items():
+        gen.use(d, t, a, scope=name).generate_ids(first, min(16, max_new_tokens), sampling)
     for peer in peers.values():
         peer.run(first, min(16, max_new_tokens))
 
@@ -128,10 +131,11 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
     total = repeats * len(prompts) * (len(configs) + len(peers))
     with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         for rep in range(repeats):
+            gen.forget()  # each repeat starts with no stored sequence: none of its prompts seen (warm-up included)
             for p in prompts:
                 for name, (d, a, t) in configs.items():
                     time.sleep(cooldown)
-                    res = gen.use(d, t, a).generate_ids(encoded[p.id], max_new_tokens, sampling)
+                    res = gen.use(d, t, a, scope=name).generate_ids(encoded[p.id], max_new_tokens, sampling)
                     st = res.stats
                     rows.append({"drafter": name, "id": p.id, "category": p.category, "repeat": rep,
                                  "peer": False, "reference": "plain", "new_tokens": st.new_tokens,

@@ -96,6 +96,9 @@ class Drafter:
         """A sequence ended with these committed tokens (prompt and output): a drafter that learns from
         earlier sequences (suffix) keeps them; the next `observe` starts a new sequence."""
 
+    def forget(self) -> None:
+        """Drop the memory of earlier sequences (a no-op for drafters without one)."""
+
     def share(self, other: Drafter) -> None:
         """Use `other`'s memory of earlier sequences as this drafter's own, so what either learns the
         other reads (the serving scheduler's slots share one); a no-op for drafters without one."""

@@ -112,6 +112,11 @@ class Store:
             self.tokens -= len(self.seqs.popleft())
         self._index = None
 
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.tokens = 0
+        self._index = None
+
     def index(self) -> StoreIndex | None:
         """The current snapshot (rebuilt after a change, at the next use); None while empty."""
         if self._index is None and self.seqs:
@@ -205,6 +210,10 @@ class Suffix(Drafter):
     def share(self, other: Drafter) -> None:
         if isinstance(other, Suffix):
             self.store = other.store
+
+    def forget(self) -> None:
+        self.store.clear()  # in place: the drafters sharing it forget too
+        self.seq = SequenceIndex()
 
     def finish(self, tokens: list[int]) -> None:
         self.store.add(tokens)

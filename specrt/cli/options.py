@@ -96,6 +96,12 @@ def runtime_options(f):
                      help="ngram drafter: longest suffix to match."),
         click.option("--ngram-min", type=click.IntRange(min=1), default=1, show_default=True,
                      help="ngram drafter: shortest suffix to match."),
+        click.option("--suffix-store", type=click.IntRange(min=0), default=None,
+                     help="suffix drafter: tokens of earlier sequences (prompts and outputs) kept to draft from, "
+                          "oldest evicted first; about 16 bytes each (default 65536; 0: this sequence only)."),
+        click.option("--suffix-min-prob", type=FiniteFloatRange(min=0, max=1), default=None,
+                     help="suffix drafter: the least path probability (its continuation counts) a drafted node "
+                          "may have (default 0.1)."),
         click.option("--tree-nodes", type=click.IntRange(min=1, max=64), default=None,
                      help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default 10)."),
         click.option("--beam", type=click.IntRange(min=1, max=16), default=None,
@@ -126,7 +132,8 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
-                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None):
+                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
+                   suffix_store=None, suffix_min_prob=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
     `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
@@ -145,7 +152,9 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
                      backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
-                     auto_candidates=auto_candidates.split(",") if auto_candidates else None)
+                     auto_candidates=auto_candidates.split(",") if auto_candidates else None,
+                     **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob))
+                        if v is not None})
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -251,6 +251,23 @@ def test_greedy_output_equals_plain_and_repeats_are_drafted_from_the_store(suffi
 
 
 @pytest.mark.slow
+def test_each_scope_remembers_only_its_own_sequences_until_it_forgets(suffix_generator, plain_runs):
+    """What a benchmark relies on: one engine's stored answer never drafts for another engine."""
+    prompt = plain_runs[0][0]
+
+    def run(scope):
+        st = suffix_generator.use("suffix", scope=scope).generate_ids(prompt, NEW_TOKENS).stats
+        return st.steps, st.accepted
+
+    first = run("a")
+    assert run("b") == first  # b has not seen a's answer
+    steps, accepted = run("a")  # a has: its own answer to the same prompt drafts the repeat
+    assert accepted > first[1] + NEW_TOKENS // 2 and steps < first[0]
+    suffix_generator.forget()
+    assert run("a") == first
+
+
+@pytest.mark.slow
 @pytest.mark.covers("serving", kinds=("suffix",))
 def test_served_repeat_of_an_earlier_output_is_drafted_from_the_servers_store(real_generator, plain_runs):
     """Request B finishes in slot 1; its repeat lands in slot 0, whose drafter never saw it: only the
