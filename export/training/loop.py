@@ -54,6 +54,14 @@ def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> t
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
 
 
+def lr_scale(step: int, total: int, seconds: float, limit_seconds: float, warmup: int = 50) -> float:
+    """The learning rate's share of its peak: a linear warm-up over `warmup` steps, then a cosine down
+    to 0.1 that ends at the step count or the time limit, whichever comes first (a run the limit cuts
+    still finishes at its low rate)."""
+    progress = min(1.0, max(step / total, seconds / limit_seconds))
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
 def autocast_dtype() -> torch.dtype | None:
     """bf16 where this CPU has native bf16 arithmetic, else None (fp32)."""
     from specrt.runtime.machine import simd_features
@@ -119,17 +127,19 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     total = max(1, int(settings.epochs * per_epoch))
     eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
     rng = torch.Generator().manual_seed(settings.seed)
-    curve, t0, step, cut = [], time.perf_counter(), 0, False
+    curve, t0, step, cut, seen = [], time.perf_counter(), 0, False, 0
+    eval_every = settings.max_minutes * 60 / settings.evals  # also by time: a run the limit cuts keeps a curve
+    last_eval = t0
     bar = tqdm(total=total, desc=f"train {kind}", unit="step", disable=not progress)
     order: list[int] = []
     while step < total:
         if not order:
             order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
         seqs, order = order[: settings.batch_seqs], order[settings.batch_seqs :]
-        warm = min(1.0, (step + 1) / 50)
-        decay = 0.5 * (1 + math.cos(math.pi * step / total))
+        seen += sum(data.seq(i).stop - data.seq(i).start for i in seqs)
+        scale = lr_scale(step, total, time.perf_counter() - t0, settings.max_minutes * 60)
         for group in opt.param_groups:
-            group["lr"] = lr * warm * (0.1 + 0.9 * decay)
+            group["lr"] = lr * scale
         with _precision():
             loss, _ = objective(Batch(data, seqs, label_index))
         opt.zero_grad(set_to_none=True)
@@ -140,14 +150,16 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         bar.update()
         bar.set_postfix(loss=f"{loss.item():.3f}")
         cut = time.perf_counter() - t0 > settings.max_minutes * 60
-        if step in eval_at or cut or step == total:
+        if step in eval_at or cut or step == total or time.perf_counter() - last_eval > eval_every:
             module.eval()
             accs = evaluate(objective, data, held, label_index, settings.batch_seqs)
             module.train()
-            point = {"step": step, "epochs": round(step / per_epoch, 3), "seconds": round(time.perf_counter() - t0, 1),
+            point = {"step": step, "epochs": round(step / per_epoch, 3), "tokens_seen": seen,
+                     "seconds": round(time.perf_counter() - t0, 1),
                      "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
                      "tau_est": round(chain_tau(accs), 3)}
             curve.append(point)
+            last_eval = time.perf_counter()
             bar.set_postfix(loss=f"{loss.item():.3f}", tau_est=point["tau_est"])
             if cut:
                 break

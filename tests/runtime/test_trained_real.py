@@ -29,6 +29,11 @@ def test_training_reports_a_curve_and_saves_checkpoints(trained):
     for kind, m in metrics.items():
         assert m["steps_done"] > 0 and m["curve"], kind
         assert 0.0 <= min(m["final"]["top1_per_step"]) <= max(m["final"]["top1_per_step"]) <= 1.0
+        seen = [c["tokens_seen"] for c in m["curve"]]
+        assert 0 < seen[0] and seen == sorted(seen), kind
+        epochs = m["final"]["epochs"]
+        if float(epochs).is_integer():  # whole epochs: every training position seen that many times
+            assert seen[-1] == int(epochs) * m["train_tokens"], kind
 
 
 # measured with these settings: medusa ≥ 1.4, eagle/eagle2/eagle3/mtp ≥ 1.6; the draft model learns
