@@ -126,10 +126,14 @@ class Sequence:
     def prefill(self, run: RunPass) -> list[int]:
         """The prompt's passes (KV rows 0..n-1, in chunks) through `run`; the first token."""
         t0 = time.perf_counter()
+        return self.prefilled(self.run_prefill(run), time.perf_counter() - t0)
+
+    def run_prefill(self, run: RunPass) -> np.ndarray:
+        """The prompt's passes through `run`, their features kept; the last prompt row's logits [1, V]."""
         for p in self.prefill_passes():
             outs = run(p)
             self.absorb(p, outs)
-        return self.prefilled(outs["logits"][0], time.perf_counter() - t0)
+        return outs["logits"][0]
 
     def prefill_passes(self) -> list[Pass]:
         """The prompt as causal chunks of at most PREFILL_CHUNK rows, in order, each written at KV rows

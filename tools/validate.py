@@ -58,14 +58,9 @@ class PromptReuse:
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams):
         seq = self.gen.sequence(prompt, max_new_tokens, sampling)
-        if self.prompt == prompt:
-            seq.prefilled(self.logits)
-        else:
-            for p in seq.prefill_passes():
-                outs = self.gen.run_pass(p)
-                seq.absorb(p, outs)
-            self.prompt, self.logits = list(prompt), outs["logits"][0].copy()
-            seq.prefilled(self.logits)
+        if self.prompt != prompt:
+            self.prompt, self.logits = list(prompt), seq.run_prefill(self.gen.run_pass).copy()
+        seq.prefilled(self.logits)
         while seq.step(self.gen.run_pass) is not None:
             pass
         return seq.result()

@@ -128,7 +128,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
     rng = torch.Generator().manual_seed(settings.seed)
     curve, t0, step, cut, seen = [], time.perf_counter(), 0, False, 0
-    eval_every = settings.max_minutes * 60 / settings.evals  # also by time: a run the limit cuts keeps a curve
+    limit = settings.max_minutes * 60
+    eval_every = limit / settings.evals  # also by time: a run the limit cuts keeps a curve
     last_eval = t0
     bar = tqdm(total=total, desc=f"train {kind}", unit="step", disable=not progress)
     order: list[int] = []
@@ -136,12 +137,13 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         if not order:
             order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
         seqs, order = order[: settings.batch_seqs], order[settings.batch_seqs :]
-        seen += sum(data.seq(i).stop - data.seq(i).start for i in seqs)
-        scale = lr_scale(step, total, time.perf_counter() - t0, settings.max_minutes * 60)
+        batch = Batch(data, seqs, label_index)
+        seen += int(batch.length.sum())
+        scale = lr_scale(step, total, time.perf_counter() - t0, limit)
         for group in opt.param_groups:
             group["lr"] = lr * scale
         with _precision():
-            loss, _ = objective(Batch(data, seqs, label_index))
+            loss, _ = objective(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -149,7 +151,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         step += 1
         bar.update()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        cut = time.perf_counter() - t0 > settings.max_minutes * 60
+        cut = time.perf_counter() - t0 > limit
         if step in eval_at or cut or step == total or time.perf_counter() - last_eval > eval_every:
             module.eval()
             accs = evaluate(objective, data, held, label_index, settings.batch_seqs)

@@ -78,6 +78,16 @@ class DrafterContext:
     tree: Tree
     options: dict
 
+    def session(self, graph: str):
+        """An ONNX Runtime CPU session of the bundle's drafter graph `graph`, its idle workers not
+        spinning (they would steal the cores from the target's pass)."""
+        import onnxruntime as ort
+
+        from specrt.engines.ort_cpu.runner import session_options
+
+        return ort.InferenceSession(str(self.manifest.onnx_path(self.bundle, graph)),
+                                    session_options(self.threads, spin=False), providers=["CPUExecutionProvider"])
+
 
 class Drafter:
     """The base of every runtime drafter (registered by its kind's spec in specrt/kinds/)."""

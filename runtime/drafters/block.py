@@ -21,18 +21,13 @@ class BlockDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, ctx: DrafterContext):
-        import onnxruntime as ort
-
-        from specrt.engines.ort_cpu.runner import session_options
-
         entry = ctx.manifest.drafter("block", ctx.bundle)
         self.block = int(entry["config"]["block_size"])
         self.shape = ctx.tree
         layer, fuse = entry["graphs"]
         cfg = ctx.manifest.graphs[layer].config
         self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, layer), cfg, ctx.capacity + self.block, ctx.threads)
-        self.fuse = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, fuse)),
-                                         session_options(ctx.threads, spin=False), providers=["CPUExecutionProvider"])
+        self.fuse = ctx.session(fuse)
         self.vocab_ids = np.load(ctx.bundle / entry["vocab_ids"], allow_pickle=False)  # draft id -> target id
         self.vocab_size = ctx.manifest.target.config.vocab_size
         self.state: TargetState | None = None

@@ -181,14 +181,9 @@ class Eagle3(EagleDrafter):
     dynamic = True
 
     def __init__(self, ctx: DrafterContext):
-        import onnxruntime as ort
-
-        from specrt.engines.ort_cpu.runner import session_options
-
         super().__init__(ctx)
         self.vocab_ids = np.load(ctx.bundle / self.entry["vocab_ids"], allow_pickle=False)
-        self.fuse = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, self.entry["graphs"][1])),
-                                         session_options(ctx.threads, spin=False), providers=["CPUExecutionProvider"])
+        self.fuse = ctx.session(self.entry["graphs"][1])
 
     def features(self, start: int, end: int) -> np.ndarray:
         return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import onnxruntime as ort
-
-from specrt.engines.ort_cpu.runner import session_options
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.drafters.static_tree import expand_static
@@ -23,9 +20,7 @@ class MedusaDrafter(Drafter):
     def __init__(self, ctx: DrafterContext):
         entry = ctx.manifest.drafter("medusa", ctx.bundle)
         self.heads = int(entry["config"]["num_heads"])
-        self.session = ort.InferenceSession(str(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0])),
-                                            session_options(ctx.threads, spin=False),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ctx.session(entry["graphs"][0])
         self.shape = ctx.tree
         self.state: TargetState | None = None
 
