@@ -117,6 +117,12 @@ def fused_graph(bundle: Path, manifest, role: str) -> Path:
     """The `ort-fused` graph of `role` that `specrt build` wrote (engines/ort_cpu/fuse.py)."""
     built = manifest.artifacts.get("onnxruntime", {}).get("fused", {}).get(role)
     if not built or not (Path(bundle) / built["file"]).is_file():
+        from specrt.engines.ort_cpu.fuse import not_lowered
+
+        why = not_lowered(manifest.graphs[role].config)
+        if why:
+            raise SpecrtError(f"bundle {bundle} has no fused graph for {role}: ort-fused does not lower {why}; "
+                              "use --backend ort (exact, unfused)")
         raise SpecrtError(f"bundle {bundle} has no fused graph for {role}: run `specrt build {bundle}` (it "
                           "writes one for each decoder graph it can lower), or use --backend ort")
     return Path(bundle) / built["file"]

@@ -8,6 +8,10 @@ the contract). Per layer:
          q, present_kv, past_len, tree_mask ─► specrt::TreeAttention (ONNX local function)
     x += o_proj(attn);  x += down(silu(gate) * up), gate|up from one GEMM
 
+Family maths (DecoderConfig): Gelu(tanh) for silu, the embedding times embed_scale after the Gather,
+sandwich norms (x += norm(o_proj(attn)); x += norm(mlp(norm(x)))), query_pre_attn_scalar in the folded
+q scale, TreeAttention's Softcapped variant, tanh-softcapped logits, one rotary table per RoPE table.
+
 L = max(past_len) + T: attention reads only the valid prefix plus the new window. Query heads are
 grouped per KV head ([B, kv_heads, groups*T, d]) so K/V are never repeated for GQA. Projections are
 fused (q|k|v, gate|up) to cut the node count: on a 2-core CPU, per-node overhead is a visible
@@ -22,6 +26,10 @@ from specrt.export.modeling import DecoderLM
 from specrt.plugins import tree_attention
 from specrt.plugins.onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
 from specrt.schema.config import DecoderConfig
+
+# DecoderConfig.activation -> its nodes on the gate
+ACTIVATIONS = {"silu": lambda g, x: g.op("Mul", x, g.op("Sigmoid", x)),
+               "gelu_tanh": lambda g, x: g.op("Gelu", x, approximate="tanh")}
 
 
 def _np(t) -> np.ndarray:
@@ -75,23 +83,33 @@ class _DecoderGraph:
             return self.g.op("RotaryEmbedding", x, cos, sin)
 
     # ── shared tensors ──────────────────────────────────────────────────────────────────────
-    def rope_tables(self, position_ids: str) -> tuple[str, str]:
+    def rope_tables(self, position_ids: str, layer: int = 0) -> tuple[str, str]:
+        """cos, sin [B, T, d/2] at position_ids from layer `layer`'s RoPE table (table 0: `rotary`)."""
         g, cfg = self.g, self.cfg
-        with g.scope("rotary"):
+        inv_freq, scaling = cfg.rope_table(layer)
+        name = "rotary" if cfg.rope_index(layer) == 0 else "rotary_local"
+        with g.scope(name):
             pos = g.op("Unsqueeze", g.op("Cast", position_ids, to=FLOAT), g.const([-1]))
-            freqs = g.op("Mul", pos, g.weight("rotary.inv_freq", np.array(cfg.rope_inv_freq, np.float32)))
+            freqs = g.op("Mul", pos, g.weight(f"{name}.inv_freq", np.array(inv_freq, np.float32)))
             cos, sin = g.op("Cos", freqs), g.op("Sin", freqs)  # [B, T, d/2]
-            if cfg.rope_attention_scaling != 1.0:
-                s = g.const(cfg.rope_attention_scaling, np.float32)
+            if scaling != 1.0:
+                s = g.const(scaling, np.float32)
                 cos, sin = g.op("Mul", cos, s), g.op("Mul", sin, s)
             return cos, sin
+
+    def softcap(self, x: str, cap: float) -> str:
+        """cap * tanh(x / cap); x itself when cap is 0."""
+        if not cap:
+            return x
+        c = self.g.const(cap, np.float32)
+        return self.g.op("Mul", self.g.op("Tanh", self.g.op("Div", x, c)), c)
 
     # ── attention and layers ────────────────────────────────────────────────────────────────
     def attention(self, attn, i: int, h: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
         """Self-attention of module `attn` over KV buffers past_key.i / past_value.i."""
         g, cfg = self.g, self.cfg
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        scale = d**-0.5  # folded into the q projection (or into q_norm's weight when there is one)
+        scale = cfg.attn_scale  # folded into the q projection (or into q_norm's weight when there is one)
         with g.scope("self_attn"):
             col_scale = None if cfg.qk_norm else np.r_[np.full(nh * d, scale), np.ones(2 * kvh * d)].astype(np.float32)
             qkv = self.linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], "qkv_proj", col_scale)
@@ -105,8 +123,12 @@ class _DecoderGraph:
             present_k, present_v = f"present_key.{i}", f"present_value.{i}"
             g.op("TensorScatter", f"past_key.{i}", k, past_len, axis=2, name="k_scatter", out_names=[present_k])
             g.op("TensorScatter", f"past_value.{i}", v, past_len, axis=2, name="v_scatter", out_names=[present_v])
-            out = g.call(tree_attention.function(), q, present_k, present_v, past_len, tree_mask,
-                         num_heads=nh, num_kv_heads=kvh, head_dim=d, **tree_attention.PLUGIN_ATTRS)
+            window = cfg.window(i)  # a sliding-window layer calls TreeAttentionWindowed
+            cap = cfg.attn_logit_softcapping  # and a softcapped one a ...Softcapped variant
+            extra = {**({"window": window} if window else {}), **({"softcap": float(cap)} if cap else {})}
+            out = g.call(tree_attention.function(windowed=bool(window), softcapped=bool(cap)), q, present_k,
+                         present_v, past_len, tree_mask, num_heads=nh, num_kv_heads=kvh, head_dim=d,
+                         **tree_attention.PLUGIN_ATTRS, **extra)
             out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, nh * d]))
             return self.linear(out, [attn.o_proj], "o_proj")
 
@@ -116,12 +138,19 @@ class _DecoderGraph:
             inter = self.cfg.intermediate_size
             gate, up = g.op("Split", self.linear(h, [mlp.gate_proj, mlp.up_proj], "gate_up_proj"),
                             g.const([inter, inter]), axis=-1, outputs=2)
-            act = g.op("Mul", gate, g.op("Sigmoid", gate))
+            act = ACTIVATIONS[self.cfg.activation](g, gate)
             return self.linear(g.op("Mul", act, up), [mlp.down_proj], "down_proj")
 
     def layer(self, layer, i: int, x: str, cos: str, sin: str, past_len: str, tree_mask: str) -> str:
         h = self.rms_norm(x, *_norm(layer.input_layernorm), "input_layernorm")
-        x = self.g.op("Add", x, self.attention(layer.self_attn, i, h, cos, sin, past_len, tree_mask))
+        attn = self.attention(layer.self_attn, i, h, cos, sin, past_len, tree_mask)
+        if self.cfg.sandwich_norms:  # Gemma-2/3: norms on the attention output and around the MLP
+            x = self.g.op("Add", x, self.rms_norm(attn, *_norm(layer.post_attention_layernorm), "post_attention_layernorm"))
+            h = self.rms_norm(x, *_norm(layer.pre_feedforward_layernorm), "pre_feedforward_layernorm")
+            out = self.rms_norm(self.mlp(layer.mlp, h), *_norm(layer.post_feedforward_layernorm),
+                                "post_feedforward_layernorm")
+            return self.g.op("Add", x, out)
+        x = self.g.op("Add", x, attn)
         h = self.rms_norm(x, *_norm(layer.post_attention_layernorm), "post_attention_layernorm")
         return self.g.op("Add", x, self.mlp(layer.mlp, h))
 
@@ -142,8 +171,8 @@ class _DecoderGraph:
     def kv_shape(self) -> list:
         return ["batch", self.cfg.num_kv_heads, "capacity", self.cfg.head_dim]
 
-    def lm_head(self, hidden: str, logits_index: str, head: str, vocab: int) -> None:
-        """Logits of the rows `logits_index` asks for, as graph output `logits`."""
+    def lm_head(self, hidden: str, logits_index: str, head: str, vocab: int, softcap: float = 0.0) -> None:
+        """Logits of the rows `logits_index` asks for, as graph output `logits` (`softcap`: tanh-capped)."""
         g, cfg = self.g, self.cfg
         with g.scope("lm_head"):
             idx = g.op("Expand", g.op("Unsqueeze", logits_index, g.const([-1])), g.const([1, 1, cfg.hidden_size]))
@@ -151,6 +180,7 @@ class _DecoderGraph:
             flat = g.op("Reshape", rows, g.const([-1, cfg.hidden_size]))
             logits = g.op("Gemm", flat, head, transB=1)
             logits = g.op("Reshape", logits, g.op("Concat", g.op("Shape", logits_index), g.const([-1]), axis=0))
+            logits = self.softcap(logits, softcap)
         g.output(logits, "logits", FLOAT, ["batch", "rows", vocab])
 
     def kv_outputs(self, num_layers: int) -> None:
@@ -164,22 +194,25 @@ class _DecoderGraph:
 
         self._prefix = "model"
         with g.scope("model"):
-            cos, sin = self.rope_tables(position_ids)
+            first = {cfg.rope_index(i): i for i in reversed(range(cfg.num_layers))}  # a layer per RoPE table
+            ropes = {table: self.rope_tables(position_ids, i) for table, i in sorted(first.items())}
             embed = g.weight("model.embed_tokens.weight", _np(self.m.model.embed_tokens.weight))
             x = g.op("Gather", embed, input_ids, name="embed_tokens")
+            if cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden) as a float32 scalar, after the lookup
+                x = g.op("Mul", x, g.const(cfg.embed_scale, np.float32), name="embed_scale")
             captured = []
             for i, layer in enumerate(self.m.model.layers):
                 if i in taps:
                     captured.append(x)
                 self._prefix = f"model.layers.{i}"
                 with g.scope(f"layers.{i}"):
-                    x = self.layer(layer, i, x, cos, sin, past_len, tree_mask)
+                    x = self.layer(layer, i, x, *ropes[cfg.rope_index(i)], past_len, tree_mask)
                 if progress:
                     progress(1)
             self._prefix = "model"
             hidden = self.rms_norm(x, *_norm(self.m.model.norm), "norm")
         head = embed if cfg.tie_word_embeddings else g.weight("lm_head.weight", _np(self.m.lm_head.weight))
-        self.lm_head(hidden, logits_index, head, cfg.vocab_size)
+        self.lm_head(hidden, logits_index, head, cfg.vocab_size, cfg.final_logit_softcapping)
         g.output(hidden, "hidden_states", FLOAT, ["batch", "tokens", cfg.hidden_size])
         if taps:  # inputs of the tapped layers (EAGLE-3's low / middle / high features)
             aux = g.op("Concat", *captured, axis=-1, name="aux_hidden_states")

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from specrt.errors import SpecrtError
-from specrt.export.archs import arch_for
+from specrt.export.archs import ACTIVATIONS, ArchSpec, arch_for
+from specrt.export.config_rules import (
+    ROPE_LAYER_TYPES,
+    activation,
+    check_config,
+    effective_windows,
+    rope_params,
+    rope_type,
+)
 from specrt.export.modeling import DecoderLM
 from specrt.export.safetensors_file import check_folder
 from specrt.export.source_checks import check_tokenizer
@@ -47,25 +55,46 @@ def _split_source(path: Path) -> tuple[str, dict]:
     return str(path), {}
 
 
-def rope_tables(hf_config) -> tuple[list[float], float]:
-    """Inverse frequencies and cos/sin scaling for the config's RoPE type (static types only)."""
+def rope_tables(hf_config, layer_type: str | None = None) -> tuple[list[float], float]:
+    """Inverse frequencies and cos/sin scaling for the config's RoPE type (static types only); those of
+    `layer_type` where the parameters are keyed by layer type (Gemma-3)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "dynamic":
-        raise SpecrtError("rope_type 'dynamic' depends on the sequence length at run time and is not exportable; "
-                          "use a model with static RoPE (default, linear, llama3, yarn)")
-    if rope_type == "default":
+    params, kind = rope_params(hf_config, layer_type), rope_type(hf_config, layer_type)
+    if kind == "default":
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         dim = int(dim * getattr(hf_config, "partial_rotary_factor", 1.0))
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         return inv.tolist(), 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise SpecrtError(f"rope_type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise SpecrtError(f"rope_type {kind!r} is not supported")
+    layer_kw = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu", **layer_kw)
     return inv.float().tolist(), float(scaling)
+
+
+def layer_ropes(hf_config, spec: ArchSpec) -> dict:
+    """The DecoderConfig fields of a family with a RoPE table per layer type (Gemma-3's local and global
+    tables, `layer_rope` choosing per layer); {} for one table."""
+    if not spec.rope_per_layer_type:
+        return {}
+    index = [ROPE_LAYER_TYPES[kind] for kind in hf_config.layer_types]
+    inv, scaling = rope_tables(hf_config, "sliding_attention") if any(index) else ([], 1.0)
+    return dict(layer_rope=tuple(index) if any(index) else (), local_rope_inv_freq=tuple(inv),
+                local_rope_attention_scaling=scaling)
+
+
+def family_maths(hf_config, spec: ArchSpec) -> dict:
+    """The DecoderConfig fields the family's registry entry reads from the config (export/archs.py)."""
+    def field(name: str | None) -> float:
+        return float(getattr(hf_config, name, None) or 0.0) if name else 0.0
+
+    return dict(activation=ACTIVATIONS[activation(hf_config, spec)],
+                embed_scale=hf_config.hidden_size**0.5 if spec.scaled_embeddings else 1.0,
+                sandwich_norms=spec.sandwich_norms, query_pre_attn_scalar=field(spec.query_scale_field),
+                attn_logit_softcapping=field(spec.attn_softcap_field),
+                final_logit_softcapping=field(spec.final_softcap_field), **layer_ropes(hf_config, spec))
 
 
 def _eos_ids(hf_config, generation_config, tokenizer) -> tuple[int, ...]:
@@ -82,11 +111,12 @@ def _eos_ids(hf_config, generation_config, tokenizer) -> tuple[int, ...]:
 
 
 def decoder_config(hf_config, eos_token_ids: tuple[int, ...] = ()) -> DecoderConfig:
-    """Translate a transformers config into our `DecoderConfig` (the arch registry fills gaps)."""
-    spec = arch_for(hf_config.model_type)
+    """Translate a transformers config into our `DecoderConfig` (the arch registry fills gaps); a value
+    specrt would not compute as transformers does is refused (export/config_rules.py)."""
+    spec = check_config(hf_config)
     attn_bias = bool(getattr(hf_config, "attention_bias", False))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    inv_freq, scaling = rope_tables(hf_config)
+    inv_freq, scaling = rope_tables(hf_config, "full_attention" if spec.rope_per_layer_type else None)
     if len(inv_freq) * 2 != head_dim:
         raise SpecrtError(f"partial rotary embeddings (rotary dim {len(inv_freq) * 2} < head_dim {head_dim}) are not supported")
     return DecoderConfig(
@@ -104,10 +134,12 @@ def decoder_config(hf_config, eos_token_ids: tuple[int, ...] = ()) -> DecoderCon
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=attn_bias if spec.qkv_bias is None else spec.qkv_bias,
         o_bias=attn_bias if spec.o_bias is None else spec.o_bias,
-        mlp_bias=bool(getattr(hf_config, spec.mlp_bias_attr, False)),
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if spec.mlp_bias is None else spec.mlp_bias,
         qk_norm=spec.qk_norm,
         max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
         eos_token_ids=eos_token_ids,
+        layer_windows=windows if any(windows := effective_windows(hf_config, spec)) else (),
+        **family_maths(hf_config, spec),
     )
 
 
@@ -115,8 +147,16 @@ def module_from_hf(hf_model, eos_token_ids: tuple[int, ...] = ()) -> DecoderLM:
     """Build our module from a loaded transformers causal LM (its weights are copied)."""
     cfg = decoder_config(hf_model.config, eos_token_ids)
     module = DecoderLM(cfg)
+    spec = arch_for(cfg.model_type)
     state = {k: v.detach().float() for k, v in hf_model.state_dict().items()
              if not k.endswith("rotary_emb.inv_freq")}
+    if spec.norm_offset:  # Gemma's RMSNorm multiplies by 1 + w (in fp32): fold the 1 in once
+        state = {k: v + spec.norm_offset if k.endswith("norm.weight") else v for k, v in state.items()}
+    for fused in spec.fused_weights:  # e.g. Phi-3's qkv_proj -> q_proj, k_proj, v_proj
+        for key in [k for k in state if k.endswith(fused.name)]:
+            prefix = key[: -len(fused.name)]
+            for part, w in zip(fused.parts, state.pop(key).split(list(fused.sizes(cfg))), strict=True):
+                state[prefix + part] = w
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = module.load_state_dict(state, strict=False)
@@ -140,7 +180,7 @@ def load_model(path: str | Path, keep_hf: bool = True) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(src, **kw)
     except Exception as e:  # transformers raises many types for unreadable inputs
         raise SpecrtError(f"cannot read the model config from {path}: {str(e).splitlines()[0]}") from None
-    arch_for(hf_config.model_type)  # refuse unsupported families before loading any weight
+    check_config(hf_config, str(path))  # refuse unsupported families and values before loading any weight
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **kw)
     except Exception as e:

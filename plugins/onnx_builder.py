@@ -73,12 +73,18 @@ class GraphBuilder:
 
     def attr_int(self, name: str) -> str:
         """Inside a function: a scalar int64 read from the calling node's attribute `name`."""
+        return self._attr(name, "value_int", onnx.AttributeProto.INT)
+
+    def attr_float(self, name: str) -> str:
+        """Inside a function: a scalar float32 read from the calling node's attribute `name`."""
+        return self._attr(name, "value_float", onnx.AttributeProto.FLOAT)
+
+    def _attr(self, name: str, value: str, kind: int) -> str:
         key = ("attr", name)
         if key not in self._consts:
             out = f"/{self.name}/attr_{name}"
             node = helper.make_node("Constant", [], [out], name=out)
-            node.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name=name,
-                                                      type=onnx.AttributeProto.INT))
+            node.attribute.append(onnx.AttributeProto(name=value, ref_attr_name=name, type=kind))
             self.nodes.append(node)
             self._consts[key] = out
         return self._consts[key]

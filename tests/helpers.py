@@ -16,6 +16,13 @@ FAMILY_OVERRIDES = {
     "mistral": dict(sliding_window=None),
     "qwen2": dict(),
     "qwen3": dict(head_dim=16),
+    "phi3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Gemma: tied embeddings (its default); a q·k scale base other than head_dim; caps small enough to bite
+    "gemma": dict(head_dim=16, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=16, tie_word_embeddings=True, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=2.0),
+    "gemma3_text": dict(head_dim=16, tie_word_embeddings=True, query_pre_attn_scalar=24, final_logit_softcapping=2.0,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -86,3 +93,16 @@ def random_drafter_bundle(tmp: Path, tokenizer_dir: Path, specs: dict[str, dict]
     export_bundle(target, tmp / "bundle", ExportOptions(draft_layers=draft_layers, progress=False,
                                                         drafters=tuple(requested)))
     return tmp / "bundle", target, requested
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A fast word-level tokenizer (`t0` .. `t{vocab_size-1}`, no special tokens) for tiny random models,
+    so a test exports a bundle without the real model's tokenizer. Load it with PreTrainedTokenizerFast:
+    AutoTokenizer beside a Qwen config picks Qwen2Tokenizer, which adds a special token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder

@@ -16,10 +16,13 @@ runtime/exactness.py), so the backend is registered as verifying chains only and
 tree proposal to its top-ranked path there.
 
 The lowering reads the writer's own scopes (`/model/layers.{i}/self_attn/...`), so it applies to
-graphs specrt exported; one it cannot lower (qk-norm, or another layout) returns None.
+graphs specrt exported; one it cannot lower (qk-norm, sliding-window layers, softcapped scores, a RoPE
+table per layer, or another layout) returns None.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -57,10 +60,26 @@ def _shared_nodes() -> list[onnx.NodeProto]:
     return g.nodes
 
 
+# (holds for the config, what it is): attention this lowering does not write as GroupQueryAttention; such a
+# graph is left unfused (`--backend ort` runs it)
+NOT_LOWERED: tuple[tuple[Callable[[DecoderConfig], bool], str], ...] = (
+    (lambda c: c.qk_norm, "per-head q/k norms (GroupQueryAttention has none between projection and rotary)"),
+    (lambda c: any(c.layer_windows), "sliding-window attention"),
+    (lambda c: bool(c.attn_logit_softcapping), "softcapped attention scores"),
+    (lambda c: any(c.layer_rope), "two RoPE tables (one cos/sin table serves every layer here)"),
+)
+
+
+def not_lowered(cfg: DecoderConfig) -> str | None:
+    """Why `cfg`'s attention is not lowered to GroupQueryAttention, or None where it can be."""
+    return next((why for holds, why in NOT_LOWERED if holds(cfg)), None)
+
+
 def fuse_attention(model: onnx.ModelProto, cfg: DecoderConfig) -> onnx.ModelProto | None:
-    """A copy of `model` with every layer's attention block replaced by GroupQueryAttention; None when a
-    layer does not have the block this lowering knows (the graph is then left as it is)."""
-    if cfg.qk_norm:  # GroupQueryAttention has no per-head norm between the projection and rotary
+    """A copy of `model` with every layer's attention block replaced by GroupQueryAttention; None when the
+    config's attention is one NOT_LOWERED names, or a layer does not have the block this lowering knows
+    (the graph is then left as it is)."""
+    if not_lowered(cfg):
         return None
     nodes = list(model.graph.node)
     kept, per_layer = [], {}

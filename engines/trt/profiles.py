@@ -112,12 +112,21 @@ def dynamic_inputs(shapes: dict) -> dict:
 
 
 def check_bundle(manifest) -> None:
-    """Refuse bundles whose graphs TensorRT's parser cannot read (weight-only MatMulNBits)."""
+    """Refuse bundles whose graphs TensorRT's parser cannot read (weight-only MatMulNBits) or whose attention
+    its TreeAttention plugin does not compute (sliding windows, softcapped scores)."""
     q = manifest.artifacts.get("quantization")
     if q:
         raise SpecrtError(f"this bundle was exported with --quantize {q.get('scheme', '')} (com.microsoft."
                           "MatMulNBits, an ONNX Runtime CPU op TensorRT cannot parse): export it again "
                           "without --quantize for TensorRT")
+    windows = manifest.target.config.layer_windows
+    if any(windows):  # the Triton TreeAttention plugin has no window; the windowed body is untested there
+        raise SpecrtError(f"this bundle's target has sliding-window attention (layer windows {sorted(set(windows))}),"
+                          " which the TensorRT TreeAttention plugin does not implement: use --backend ort")
+    cap = manifest.target.config.attn_logit_softcapping
+    if cap:  # the Triton TreeAttention kernel has no softcap either
+        raise SpecrtError(f"this bundle's target softcaps attention scores (attn_logit_softcapping {cap:g}), which "
+                          "the TensorRT TreeAttention plugin does not implement: use --backend ort")
 
 
 def engine_file(graph_file: str, precision: str) -> str:

@@ -9,13 +9,22 @@ step) and predicts x[r+2]:
 Only `mix` and `head` differ between kinds. Inference writes K/V rows into a cache like the target
 (`step`); training attends over explicit key sets with any boolean mask (`layer_train`), which is
 how multi-step "training-time test" unrolling is expressed.
+
+The layer is the drafter's own architecture, not the target's (`one_layer`): a plain pre-norm SwiGLU
+layer with full attention over the target's dims, biases, qk-norm, eps and global RoPE table, whatever
+the target's family (no windows, sandwich norms, softcaps, query scalar, local RoPE, embedding scale).
+The module, its training passes and its ONNX graph (export/drafters/graphs.py) all compute that layer;
+the graph writer refuses a layer config that carries family maths (`check_plain`).
 """
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields, replace
+
 import torch
 from torch import nn
 
+from specrt.errors import SpecrtError
 from specrt.export.modeling import DecoderLayer, attention_mask, rope_cos_sin
 from specrt.plugins.tree_attention import MASK_VALUE
 from specrt.schema.config import DecoderConfig
@@ -87,5 +96,45 @@ class FeatureDrafter(FrozenTargetWeights):
         return torch.zeros(shape), torch.zeros(shape)
 
 
+# DecoderConfig fields a drafter's layer takes from the target (dims, biases, qk-norm, eps, the global
+# RoPE table, labels) and the family maths it resets to the defaults (Llama's); every field is in one
+# (tests/export/test_drafters_every_family.py)
+KEPT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "head_dim", "rms_norm_eps", "rope_inv_freq", "rope_attention_scaling",
+               "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "max_position_embeddings",
+               "eos_token_ids")
+FAMILY_FIELDS = ("layer_windows", "activation", "embed_scale", "sandwich_norms", "query_pre_attn_scalar",
+                 "attn_logit_softcapping", "final_logit_softcapping", "layer_rope", "local_rope_inv_freq",
+                 "local_rope_attention_scaling")
+
+
+def _defaults() -> dict:
+    by_name = {f.name: f for f in fields(DecoderConfig)}
+    return {n: by_name[n].default_factory() if by_name[n].default is MISSING else by_name[n].default
+            for n in FAMILY_FIELDS}
+
+
 def one_layer(dec: DecoderConfig) -> DecoderConfig:
-    return dec.truncated(1)
+    """The config of a drafter's one layer for target settings `dec`: one plain pre-norm SwiGLU layer
+    with full attention, head_dim**-0.5 scores and the target's global RoPE table (FAMILY_FIELDS reset)."""
+    return replace(dec, num_layers=1, **_defaults())
+
+
+def check_plain(dec: DecoderConfig, what: str) -> None:
+    """Refuse a drafter layer config with family maths the drafter graph writers do not compute."""
+    carried = [f"{n} = {getattr(dec, n)!r}" for n, v in _defaults().items() if getattr(dec, n) != v]
+    if carried or dec.num_layers != 1:
+        raise SpecrtError(f"{what}: a drafter layer is a plain one-layer config, but this one has "
+                          f"{', '.join(carried) or f'num_layers = {dec.num_layers}'}: build it with "
+                          "export.drafters.base.one_layer(target config)")
+
+
+def plain_layer_state(layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """A target layer's weights as a drafter's plain layer takes them (warm starts): with sandwich norms
+    (Gemma-2/3) the norm before the MLP is pre_feedforward_layernorm; the output norms have no place."""
+    state = layer.state_dict()
+    if not layer.sandwich:
+        return state
+    dropped = ("post_attention_layernorm.", "post_feedforward_layernorm.")
+    return {k.replace("pre_feedforward_layernorm.", "post_attention_layernorm."): v
+            for k, v in state.items() if not k.startswith(dropped)}

@@ -7,6 +7,8 @@
     fuse     aux_hidden_states [B,T,n·H] ─► hidden [B,T,H]                           (EAGLE-3 fc)
 
 Kind-specific pieces (how token and feature are mixed, which head) are registered per module class.
+The layer is always the drafter's plain one (export/drafters/base.py `one_layer`): pre-norm, SwiGLU,
+full attention; a config that carries a target family's maths is refused, never silently dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from torch import nn
 
 from specrt.export.decoder_graph import _DecoderGraph, _norm, _np
+from specrt.export.drafters.base import check_plain
 from specrt.export.drafters.block import BlockHead
 from specrt.export.drafters.eagle import Eagle3Head, EagleHead
 from specrt.export.drafters.medusa import MedusaHeads
@@ -104,6 +107,7 @@ HEAD_NORM = {EagleHead: None, Eagle3Head: lambda m: m.norm, MtpModule: lambda m:
 
 def feature_graph(module, name: str):
     """The ONNX ModelProto of one feature-drafter layer (EAGLE, EAGLE-3 or one MTP module)."""
+    check_plain(module.dec, f"{type(module).__name__} graph {name!r}")
     return _FeatureGraph(module, name).build()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specrt.export.drafters.base import FeatureDrafter, FrozenTargetWeights, one_layer
+from specrt.export.drafters.base import FeatureDrafter, FrozenTargetWeights, one_layer, plain_layer_state
 from specrt.export.modeling import DecoderLayer, RMSNorm
 from specrt.schema.config import DecoderConfig
 
@@ -84,8 +84,9 @@ class MtpModules(FrozenTargetWeights):
 
 
 def mtp_warm_start(module: MtpModules, target, vocab) -> None:
-    """Every MTP block starts as the target's last decoder layer (its output is normed before the head)."""
-    last = target.model.layers[-1].state_dict()
+    """Every MTP block starts as the target's last decoder layer (its output is normed before the head);
+    a sandwich-normed (Gemma-2/3) layer gives its attention, MLP and pre-MLP norm."""
+    last = plain_layer_state(target.model.layers[-1])
     for m in module.mtp:
         m.block.load_state_dict(last)
         m.shared_head.norm.load_state_dict(target.model.norm.state_dict())

@@ -3,7 +3,7 @@
 Notation: x[t] tokens, h[t] the target's last hidden state, p[t] its next-token distribution (soft
 labels: top-k, renormalized). Row r of a feature drafter reads x[r+1] and predicts x[r+2] ~ p[r+1].
 
-    draft    the truncated LM, causal over the sequence:          CE(p[t])
+    draft    the truncated LM (its own forward maths), causal:   CE(p[t])
     medusa   head k on h[t]:                                       CE(p[t+k]), weights 0.8^k
     eagle    S unrolled steps ("training-time test"): step 1 reads h[r], step s reads its own
              output of row r-1 from step s-1 and attends to real rows ≤ r-s+1 plus its own chain,
@@ -101,17 +101,20 @@ class Objective:
 
 
 class DraftObjective(Objective):
-    def __call__(self, batch):
+    """The truncated LM's own forward maths (DecoderLM.hidden_states: embedding scale, per-layer windows
+    and RoPE tables, sandwich norms, softcaps), causal from an empty cache: what its graph exports."""
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Logits [B,T,|S|] over the label vocabulary of every row of `batch`."""
         lm = self.m.lm
-        x = lm.model.embed_tokens(batch.tokens)
-        cos, sin = rope_cos_sin(lm.cfg, torch.arange(batch.T)[None])
-        causal = torch.tril(torch.ones(batch.T, batch.T, dtype=torch.bool))
-        additive = torch.where(causal, 0.0, -1e9)[None, None]
-        for layer in lm.model.layers:
-            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-            x = x + layer.self_attn.attend(q, k, v, additive.to(q.dtype))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = F.linear(lm.model.norm(x), self.sub_weight(lm.lm_head.weight))
+        b, t = batch.tokens.shape
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, -1, -1)
+        hidden, _ = lm.hidden_states(batch.tokens, torch.arange(t).expand(b, -1), torch.zeros(b, dtype=torch.long),
+                                     causal, lm.new_kv(b, t))
+        return lm.logits(hidden, self.sub_weight(lm.lm_head.weight))
+
+    def __call__(self, batch):
+        logits = self.logits(batch)
         loss = soft_ce(logits, batch.label_ids, batch.label_p, batch.valid)
         return loss, [top1_hits(logits, batch.label_top, batch.answer)]
 

@@ -7,7 +7,7 @@ A bundle is a folder complete on its own: ONNX graphs with external weights, tok
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from specrt.errors import SpecrtError
@@ -16,7 +16,25 @@ from specrt.schema.config import DecoderConfig
 from specrt.schema.manifest_schema import validate_manifest
 
 MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # a bundle of Llama-style maths: what every specrt since the first reads
+# Config fields that schema 1 did not have (sliding windows, Gemma's maths). A reader of schema 1 drops a
+# config key it does not know, and would compute Llama's maths for such a bundle without a word; a bundle
+# that uses any of them (a value other than its default) is written as schema 2, which that reader refuses.
+SCHEMA_2_FIELDS = ("layer_windows", "activation", "embed_scale", "sandwich_norms", "query_pre_attn_scalar",
+                   "attn_logit_softcapping", "final_logit_softcapping", "layer_rope", "local_rope_inv_freq",
+                   "local_rope_attention_scaling")
+READS = (1, 2)
+
+
+def _default(name: str):
+    f = next(f for f in fields(DecoderConfig) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def schema_for(configs) -> int:
+    """The lowest schema version whose readers compute what these configs say."""
+    uses_new = any(getattr(c, name) != _default(name) for c in configs for name in SCHEMA_2_FIELDS)
+    return 2 if uses_new else SCHEMA_VERSION
 
 
 @dataclass
@@ -47,7 +65,7 @@ class Manifest:
     graphs: dict[str, GraphEntry]
     tokenizer: dict  # {"file", "chat_template", "bos_token", "eos_token", "add_bos_token"}
     versions: dict
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SCHEMA_VERSION  # as read; written as schema_for(the graphs' configs)
     artifacts: dict = field(default_factory=dict)  # engines built from the graphs, by backend
     drafters: dict = field(default_factory=dict)  # learned drafters by kind: {"graphs", "config", ...}
     # `specrt tune`'s choice, used when a command names no drafter: {"drafter", "num_draft_tokens", ...}
@@ -80,7 +98,8 @@ class Manifest:
         return Path(bundle) / self.graphs[role].file
 
     def to_json(self) -> str:
-        d = {"schema_version": self.schema_version, "versions": self.versions, "tokenizer": self.tokenizer,
+        version = schema_for(g.config for g in self.graphs.values())
+        d = {"schema_version": version, "versions": self.versions, "tokenizer": self.tokenizer,
              "graphs": {k: g.to_dict() for k, g in self.graphs.items()}, "artifacts": self.artifacts,
              "drafters": self.drafters, "runtime_defaults": self.runtime_defaults}
         return json.dumps(d, indent=2)
@@ -105,9 +124,9 @@ class Manifest:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise SpecrtError(f"{path} is not readable JSON ({type(e).__name__}: {e}): re-export the bundle") from None
         version = d.get("schema_version") if isinstance(d, dict) else None
-        if version != SCHEMA_VERSION:
-            raise SpecrtError(f"{path} has schema_version {version}, this specrt reads {SCHEMA_VERSION}: "
-                              "export the bundle again")
+        if version not in READS:
+            raise SpecrtError(f"{path} has schema_version {version}, this specrt reads "
+                              f"{' and '.join(map(str, READS))}: export the bundle again with this specrt")
         try:
             validate_manifest(d)
             graphs = {k: GraphEntry.from_dict(g, f"graphs.{k}") for k, g in d["graphs"].items()}

@@ -3,11 +3,14 @@ and the real default model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from specrt.export.archs import ARCHS
 from specrt.export.loading import module_from_hf
+from specrt.export.modeling import DecoderLM
 from tests.helpers import FAMILY_OVERRIDES, tiny_hf_model
 
 
@@ -52,6 +55,29 @@ def test_qwen2_biases_and_qwen3_qk_norm_are_used():
                     p.mul_(0.0)
         got, _ = ours(ids, torch.arange(10)[None], torch.tensor([0]), causal(10), ours.new_kv(1, 16))
         assert (got - want).abs().max().item() > 1e-3, f"{model_type}: {param} has no effect"
+
+
+# (family, DecoderConfig field, a value that drops it): each is Gemma maths the registry must carry
+GEMMA_MATHS = [("gemma", "embed_scale", 1.0), ("gemma", "activation", "silu"),
+               ("gemma2", "sandwich_norms", False), ("gemma2", "query_pre_attn_scalar", 0.0),
+               ("gemma2", "attn_logit_softcapping", 0.0), ("gemma2", "final_logit_softcapping", 0.0),
+               ("gemma3_text", "layer_rope", ()), ("gemma3_text", "final_logit_softcapping", 0.0)]
+
+
+@pytest.mark.parametrize(("model_type", "name", "dropped"), GEMMA_MATHS, ids=[f"{m}-{n}" for m, n, _ in GEMMA_MATHS])
+def test_gemma_maths_is_used(model_type, name, dropped):
+    """The family's config value is honoured: without it our logits leave transformers' (a guard on
+    the tiny configs of tests/helpers.py, whose values are chosen to bite)."""
+    hf = tiny_hf_model(model_type)
+    ours = module_from_hf(hf)
+    assert getattr(ours.cfg, name) != dropped, f"{model_type}: {name} is not read from the config"
+    ids = torch.arange(3, 13)[None]
+    with torch.no_grad():
+        want = hf(ids).logits
+    cut = DecoderLM(replace(ours.cfg, **{name: dropped}))
+    cut.load_state_dict(ours.state_dict(), strict=False)  # sandwich_norms=False: its two norms are unused
+    got, _ = cut(ids, torch.arange(10)[None], torch.tensor([0]), causal(10), cut.new_kv(1, 16))
+    assert (got - want).abs().max().item() > 1e-3, f"{model_type}: {name} has no effect"
 
 
 def test_real_model_matches_transformers(real_model):
