@@ -9,11 +9,13 @@ A bundle is exported once and copied to many machines; batch invariance belongs 
 
 `resolve` returns an `Exactness`: the execution mode to run the target in, whether speculative
 output is lossless in it, and if not, why — one line the user, the server's clients and the metrics
-are told. Nothing silently runs lossy.
+are told. Nothing silently runs lossy. A mode named by the caller (`--exec-mode`) or, where the caller
+asks for auto, by SPECRT_EXEC_MODE (runtime/branches.py) is forced; `forced_by` says which.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import SpecrtError
+from specrt.runtime.branches import pick
 from specrt.runtime.exec_modes import MAX_PAD_ROWS, ExecMode, exec_mode
 from specrt.runtime.machine import Fingerprint
 
@@ -36,6 +39,7 @@ class Exactness:
     reason: str  # why not lossless; "" when it is
     record: dict  # fingerprint, graph, every measured mode's checks, the mode auto chooses
     source: str  # "bundle record", "machine cache" or "measured now"
+    forced_by: str = ""  # "" (auto: the measured choice), "option" or "SPECRT_EXEC_MODE"
 
     def summary(self) -> str:
         if self.lossless:
@@ -44,7 +48,8 @@ class Exactness:
 
     def to_dict(self) -> dict:
         return {"lossless": self.lossless, "mode": self.mode.name, "reason": self.reason, "source": self.source,
-                "auto_mode": self.record["chosen"], "fingerprint": self.record["fingerprint"],
+                "auto_mode": self.record["chosen"], "forced_by": self.forced_by,
+                "fingerprint": self.record["fingerprint"],
                 "measured": self.record["measured"]}
 
 
@@ -143,6 +148,12 @@ def resolve(bundle: Path, manifest, threads: int, backend: str = "ort", requeste
     """The execution mode and exactness verdict for running `bundle`'s target here (see the module doc)."""
     if requested != "auto":
         exec_mode(requested)  # a bad name fails before anything is measured
+    forced = pick("exec_mode", requested)
+    found = _resolve(bundle, manifest, threads, backend, forced.value, capacity)
+    return dataclasses.replace(found, forced_by=forced.forced_by)
+
+
+def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str, capacity: int | None) -> Exactness:
     from specrt.engines.registry import graph_path
 
     fp = Fingerprint.here(threads, backend)

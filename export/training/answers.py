@@ -7,14 +7,18 @@ token, the target's last hidden state and tapped-layer inputs (fp16) and its top
 distribution: the rows `store.ShardWriter` keeps.
 
 Precision: with `int8` (the default for data at scale) every linear layer is quantized dynamically
-(torch's fbgemm int8 kernels, ~1.7x fp32 on an AVX2 CPU); the deployed int4 target is itself a
-quantization of the same weights, so the drafter learns from a target as close to it as fp32 is.
-`fp32` runs the exported weights as they are.
+(the int8 kernels of torch's quantized engine — x86/fbgemm on x86-64 unless forced, see
+precision.py — ~1.7x fp32 on an AVX2 CPU); the deployed int4 target is itself a quantization of the
+same weights, so the drafter learns from a target as close to it as fp32 is. `fp32` runs the exported
+weights as they are. Dynamic int8 quantizes a pass's activations with one scale for the whole pass,
+so an int8 row depends on the other rows of its batch (a few % of the row's range on a tiny model);
+fp32 rows differ only by the kernels' rounding (tests/export/test_distill.py derives both bounds).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 import zlib
@@ -38,6 +42,24 @@ class Job:
     @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())
+
+
+# How far a batched pass's stored rows may lie from the same rows computed one sequence at a time,
+# per compute precision (tests/export/test_distill.py asserts it for every branch):
+#   storage: each side rounds to fp16, within half an ulp (2^-11 of |x|): one ulp apart, 2^-10 of |x|.
+#   compute: the passes differ by rounding only. Per layer and per residual block (attention, MLP) a
+#   row moves by u of the row's largest |x|: fp32, kernels for M rows and for 1 row may sum a dot
+#   product of width K in other orders, u = sqrt(K)·2^-24 (rounding as a random walk); int8, one
+#   activation scale per pass, u = 2^-7 (half a 7-bit step of the range, fbgemm's reduced range,
+#   on each side).
+FP16_STORE_RTOL = 2**-10
+BATCH_NOISE = {"fp32": lambda width: math.sqrt(width) * 2**-24, "int8": lambda width: 2**-7}
+
+
+def batch_tolerance(precision: str, layers: int, width: int) -> tuple[float, float]:
+    """(rtol of |x|, atol as a share of the row's largest |x|) between batched and one-at-a-time rows
+    of a `layers`-deep target whose widest matmul sums `width` terms, at compute `precision`."""
+    return FP16_STORE_RTOL, 2 * layers * BATCH_NOISE[precision](width)
 
 
 def quantized(module: torch.nn.Module, precision: str) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from specrt.export.loading import LoadedModel
 from specrt.export.training.answers import Job, answer_jobs, quantized
 from specrt.export.training.datagen import encode
+from specrt.export.training.precision import aten_dispatch, engine_in_use, quant_engine
 from specrt.export.training.store import MappedData, ShardWriter
 
 SHARD_ROWS = 16_384
@@ -56,15 +57,18 @@ def jobs_for(loaded: LoadedModel, prompts: list[dict], temperature: float, done:
 
 def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: int, max_new_tokens: int,
                 taps: tuple[int, ...], temperature: float = 0.8, precision: str = "int8", slots: int = 64,
-                max_minutes: float | None = None, progress: bool = True) -> dict:
+                max_minutes: float | None = None, progress: bool = True, engine: str = "auto") -> dict:
     """Generate until the store at `root` holds `tokens` training answer tokens (or `max_minutes` have
-    passed: no job starts after that, the ones in flight finish); returns a summary."""
+    passed: no job starts after that, the ones in flight finish); returns a summary, which names the
+    machine-chosen branches that ran (`engine`: torch's int8 engine, auto or forced: precision.py)."""
+    engine, engine_record = quant_engine(engine)  # a bad engine fails before the store is touched
+    branches = {"aten_dispatch": aten_dispatch(), **({"quant_engine": engine_record} if precision == "int8" else {})}
     writer = ShardWriter(root, taps, store_key(loaded, prompts, max_new_tokens, taps, temperature, precision))
     have = writer.answer_tokens
     heldout_ids = {p["id"] for p in prompts if p["split"] == "heldout"}
     missing_heldout = any(f"0:{i}" not in writer.done_jobs for i in heldout_ids)
     counted = {"train": sum(s["answer_tokens"] - s.get("heldout_tokens", 0) for s in writer.meta["shards"])}
-    summary = {"store": str(root), "had_answer_tokens": have, "target_tokens": tokens}
+    summary = {"store": str(root), "had_answer_tokens": have, "target_tokens": tokens, "branches": branches}
     if counted["train"] >= tokens and not missing_heldout:
         return {**summary, "made": 0, "seconds": 0.0, "answer_tokens": have}
 
@@ -75,7 +79,8 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
         if writer.pending_rows() >= SHARD_ROWS:
             writer.flush()
 
-    module = quantized(loaded.module, precision)
+    with engine_in_use(engine):  # int8 linears are packed for the engine that runs them
+        module = quantized(loaded.module, precision)
     bar = tqdm(total=tokens, initial=min(counted["train"], tokens), desc="distill answers", unit="tok",
                disable=not progress, smoothing=0.05, mininterval=5)
     t0 = time.perf_counter()
@@ -84,8 +89,9 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
         return counted["train"] >= tokens or (max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes)
 
     try:
-        made = answer_jobs(module, jobs_for(loaded, prompts, temperature, writer.done_jobs), max_new_tokens, taps,
-                           on_done, slots=slots, stop=stop, progress=bar)
+        with engine_in_use(engine):
+            made = answer_jobs(module, jobs_for(loaded, prompts, temperature, writer.done_jobs), max_new_tokens,
+                               taps, on_done, slots=slots, stop=stop, progress=bar)
     finally:
         writer.flush()  # what finished is kept, even when interrupted
         bar.close()

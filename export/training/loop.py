@@ -3,14 +3,14 @@
 Stopping is by epochs (deterministic for a seed); `max_minutes` is a guard that cuts a run short
 (a cut run says so in its metrics). Mixed precision where the CPU computes bf16 natively (AVX-512
 BF16, AMX, Arm BF16): bf16 autocast, fp32 weights and optimizer; elsewhere fp32 throughout — on an
-AVX2-only CPU bf16 matmuls are emulated and ~50× slower than fp32. The choice is in the metrics.
+AVX2-only CPU bf16 matmuls are emulated and ~50× slower than fp32. `TrainSettings.precision` (or
+SPECRT_TRAIN_PRECISION) forces either (export/training/precision.py); the metrics say which ran and why.
 The held-out prompts (every 6th of each category) are never trained on; they give the per-step
 top-1 agreement and τ estimate recorded in `metrics.json` (a curve over training time) and plotted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -26,6 +26,7 @@ from specrt.export.drafters.eagle import default_taps
 from specrt.export.loading import LoadedModel
 from specrt.export.training.datagen import DistillData, build_data
 from specrt.export.training.objectives import Batch, chain_tau
+from specrt.export.training.precision import METRICS_NAME, aten_dispatch, autocast, train_precision
 from specrt.export.training.report import plot_curves
 from specrt.kinds import resolve
 
@@ -43,6 +44,7 @@ class TrainSettings:
     draft_vocab: int = 8192  # label vocabulary: the most frequent target tokens (EAGLE-3's draft vocabulary)
     max_new_tokens: int = 160
     max_prompts: int | None = None  # use the first N corpus prompts (tests, quick runs)
+    precision: str = "auto"  # auto | bf16 | fp32 (export/training/precision.py)
     options: dict = field(default_factory=dict)  # kind config fields, e.g. num_heads
 
 
@@ -62,23 +64,12 @@ def lr_scale(step: int, total: int, seconds: float, limit_seconds: float, warmup
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def autocast_dtype() -> torch.dtype | None:
-    """bf16 where this CPU has native bf16 arithmetic, else None (fp32)."""
-    from specrt.runtime.machine import simd_features
-
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16", "bf16"} & set(simd_features()) else None
-
-
-def _precision():
-    dtype = autocast_dtype()
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
 @torch.no_grad()
-def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_seqs: int) -> list[float]:
+def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_seqs: int,
+             precision: str = "fp32") -> list[float]:
     totals: list[list[int]] = []
     for i in range(0, len(seqs), batch_seqs):
-        with _precision():
+        with autocast(precision):
             _, hits = objective(Batch(data, seqs[i : i + batch_seqs], label_index))
         totals = [[a + h, b + n] for (a, b), (h, n) in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
     return [h / max(n, 1) for h, n in totals]
@@ -101,6 +92,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out`."""
     kind = settings.kind
     spec = drafters.kind_spec(kind).training
+    precision, precision_record = train_precision(settings.precision)  # before any work: a bad value fails fast
     torch.manual_seed(settings.seed)
     top1, anywhere = data.top_counts(target.cfg.vocab_size)
     vocab = label_vocabulary(top1, anywhere, settings.draft_vocab)
@@ -142,7 +134,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         scale = lr_scale(step, total, time.perf_counter() - t0, limit)
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        with _precision():
+        with autocast(precision):
             loss, _ = objective(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,7 +146,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         cut = time.perf_counter() - t0 > limit
         if step in eval_at or cut or step == total or time.perf_counter() - last_eval > eval_every:
             module.eval()
-            accs = evaluate(objective, data, held, label_index, settings.batch_seqs)
+            accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
             module.train()
             point = {"step": step, "epochs": round(step / per_epoch, 3), "tokens_seen": seen,
                      "seconds": round(time.perf_counter() - t0, 1),
@@ -169,7 +161,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     module.eval()
     drafters.save(module, out)
     metrics = {"kind": kind, "settings": asdict(settings), "lr": lr,
-               "precision": "bf16-autocast" if autocast_dtype() is not None else "fp32", "steps_done": step, "cut_by_max_minutes": cut,
+               "precision": METRICS_NAME[precision], "steps_done": step, "cut_by_max_minutes": cut,
+               "branches": {"train_precision": precision_record, "aten_dispatch": aten_dispatch()},
                "train_sequences": len(train_seqs), "heldout_sequences": len(held),
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),

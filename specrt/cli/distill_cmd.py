@@ -28,13 +28,17 @@ def _interrupt(signum, frame):
               help="Sampling temperature of the answers after the first (greedy) round over the prompts.")
 @click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True,
               help="The target's linear layers while generating (int8: dynamic quantization, faster on CPUs).")
+@click.option("--quant-engine", type=click.Choice(["auto", "x86", "fbgemm", "onednn", "qnnpack"]), default="auto",
+              show_default=True, help="torch's int8 engine for --precision int8. auto: torch's choice for this CPU, "
+                                      "unless SPECRT_QUANT_ENGINE names one. Recorded in the store's runs.jsonl.")
 @click.option("--slots", type=click.IntRange(min=1, max=512), default=64, show_default=True,
               help="Sequences generated at once.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: every core; fewer when other work shares the machine).")
 @click.option("--store", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Store folder. Default: one per target and settings under $SPECRT_HOME/train/cache.")
-def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, slots, threads, store):
+def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, quant_engine, slots, threads,
+            store):
     """Build a distillation store: the target's answers to the corpus (held-out prompts once, greedy; training
     prompts in rounds, the first greedy, later ones sampled), with its hidden states (fp16) and top-k
     next-token distributions at every position, in memory-mapped shards that `specrt train --store` reads."""
@@ -54,7 +58,8 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
     loaded = load_model(_target_source(target), keep_hf=False)
     taps = tuple(default_taps(loaded.module.cfg.num_layers))
     root = store or default_store(train_cache_dir(), store_key(loaded, rows, max_new_tokens, taps, temperature, precision))
-    summary = build_store(loaded, rows, root, tokens, max_new_tokens, taps, temperature, precision, slots, max_minutes)
+    summary = build_store(loaded, rows, root, tokens, max_new_tokens, taps, temperature, precision, slots, max_minutes,
+                          engine=quant_engine)
     runs = root / "runs.jsonl"
     with runs.open("a") as f:
         f.write(json.dumps(summary) + "\n")

@@ -53,8 +53,11 @@ def _target_source(target: Path | None) -> Path:
                    "Epochs then default to 1.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Drafter config field, e.g. --set num_heads=5 (medusa), --set num_modules=3 (mtp).")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+              help="Compute precision: bf16 autocast (fp32 weights) or fp32. auto: bf16 where the CPU computes "
+                   "bf16 natively, else fp32, unless SPECRT_TRAIN_PRECISION names one. Recorded in metrics.json.")
 def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, seed, prompts, max_prompts,
-            max_new_tokens, settings, store):
+            max_new_tokens, settings, store, precision):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
     from specrt import kinds
@@ -73,6 +76,14 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    if store and max_prompts:
+        raise click.UsageError("--max-prompts limits the prompts answered here; a --store holds its own answers: "
+                               "drop one of the two")
+    data = None
+    if store:  # checked before the model loads: a damaged store is refused at once
+        from specrt.export.training.store import MappedData
+
+        data = MappedData(store)
     rows = load_prompts(path=prompts)
     if max_prompts:
         train_rows = [r for r in rows if r["split"] == "train"]
@@ -84,12 +95,11 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
     default_epochs = 1.0 if store else kinds.kind(kind).training.epochs
     s = TrainSettings(kind=kind, epochs=epochs or default_epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
-                      options=options)
-    if store:
+                      max_prompts=max_prompts, precision=precision, options=options)
+    if data is not None:
         from specrt.export.training.loop import train
-        from specrt.export.training.store import MappedData
 
-        metrics = train(loaded.module, s, out, MappedData(store))
+        metrics = train(loaded.module, s, out, data)
     else:
         metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
     final = metrics["final"]
