@@ -34,11 +34,13 @@ from specrt.schema.digests import file_digests
 from specrt.schema.manifest import GraphEntry, Manifest
 
 PARITY_TOLERANCE = 1e-3  # max |Δlogits|, fp32, ONNX Runtime vs the torch module
+DEFAULT_DRAFT_LAYERS = 4  # the default draft: the target's first 4 layers (fewer when it has fewer than 5)
 
 
 @dataclass
 class ExportOptions:
-    draft_layers: int | None = 4  # layer-truncated copy of the target as the default draft
+    # layer-truncated copy of the target as the draft: N layers (0 / None: none), or "default" (draft_layer_count)
+    draft_layers: int | str | None = "default"
     draft_model: Path | None = None  # or any HF folder / GGUF sharing the target's tokenizer
     check_parity: bool = True
     progress: bool = True
@@ -47,11 +49,24 @@ class ExportOptions:
     threads: int = 2  # ONNX Runtime threads the batch-invariance measurement runs with (the runtime default)
 
 
+def draft_layer_count(requested: int | str | None, target_layers: int) -> int:
+    """Layers of the truncated draft for `--draft-layers`: "default" is DEFAULT_DRAFT_LAYERS, fewer on a
+    target with fewer than 5 layers (none on a 1-layer one); an explicit count must leave the draft
+    smaller than the target; 0 / None: no truncated draft."""
+    if requested == "default":
+        return min(DEFAULT_DRAFT_LAYERS, target_layers - 1)
+    if requested and not 1 <= requested < target_layers:
+        allowed = f"0 to {target_layers - 1}" if target_layers > 1 else "only 0"
+        raise SpecrtError(f"--draft-layers {requested}: the target has {target_layers} layer"
+                          f"{'s' if target_layers != 1 else ''}, so choose {allowed} "
+                          "(N: a draft of its first N layers; 0: no layer-truncated draft)")
+    return requested or 0
+
+
 def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
     """First `num_layers` decoder layers of the target, plus its final norm and LM head."""
-    if not 1 <= num_layers < module.cfg.num_layers:
-        raise SpecrtError(f"--draft-layers {num_layers} must be between 1 and {module.cfg.num_layers - 1} "
-                          f"(the target has {module.cfg.num_layers} layers)")
+    if draft_layer_count(num_layers, module.cfg.num_layers) == 0:  # a count out of range is refused there
+        raise SpecrtError("a layer-truncated draft keeps at least 1 layer (--draft-layers 0: no such draft)")
     draft = DecoderLM(module.cfg.truncated(num_layers))
     own = draft.state_dict()
     draft.load_state_dict({k: v for k, v in module.state_dict().items() if k in own}, strict=True)
@@ -207,9 +222,9 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
             draft = load_model(opts.draft_model, keep_hf=False)
             check_same_tokenizer(target, draft)
             draft_module, draft_source = draft.module, str(opts.draft_model)
-        elif opts.draft_layers:
-            draft_module = truncated_draft(target.module, opts.draft_layers)
-            draft_source = f"{target.source} (first {opts.draft_layers} of {target.module.cfg.num_layers} layers)"
+        elif layers := draft_layer_count(opts.draft_layers, target.module.cfg.num_layers):
+            draft_module = truncated_draft(target.module, layers)
+            draft_source = f"{target.source} (first {layers} of {target.module.cfg.num_layers} layers)"
         steps.update()
 
         with atomic_dir(out) as tmp:

@@ -6,7 +6,10 @@ position, written in shards as generation goes, read back without loading it int
                                top_p fp16 [N,K] · offsets int64 [S+1] · prompt_lens int64 [S] · heldout bool [S]
 
 A shard is written under a temporary name and renamed, then meta.json is replaced: an interrupted run
-loses at most the shard it was filling, and the next run skips every job a listed shard holds.
+loses at most the shard it was filling (a partial folder, or a renamed one meta.json does not list yet:
+the next run removes both), and the next run skips every job a listed shard holds. Before a store is
+extended or read, every listed shard is checked against meta.json (store_format.py): a damaged one is
+refused, named, never extended or trained on.
 `MappedData` is what training reads: the same interface as the in-memory `DistillData`, with each
 sequence's rows fetched from the shard files (np.load mmap) when a batch needs them.
 """
@@ -22,9 +25,7 @@ import numpy as np
 import torch
 
 from specrt.errors import SpecrtError
-
-FIELDS = {"tokens": np.int32, "hidden": np.float16, "aux": np.float16, "top_ids": np.int32, "top_p": np.float16}
-VERSION = 1
+from specrt.export.training.store_format import FIELDS, SHARD_NAME, VERSION, check_store
 
 
 def _write_json(path: Path, obj) -> None:
@@ -39,16 +40,20 @@ class ShardWriter:
     def __init__(self, root: Path, taps: tuple[int, ...], key: dict):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        meta = self.root / "meta.json"
-        if meta.is_file():
-            self.meta = json.loads(meta.read_text())
-            if self.meta.get("key") != key:
-                raise SpecrtError(f"{self.root} holds distillation data for other settings ({self.meta.get('key')}); "
-                                  "remove it or choose another folder")
-        else:
-            self.meta = {"version": VERSION, "key": key, "taps": list(taps), "shards": []}
+        meta = check_store(self.root)  # a damaged store is refused before anything is added to it
+        if meta is not None and meta["key"] != key:
+            raise SpecrtError(f"{self.root} holds distillation data for other settings ({meta['key']}); "
+                              "remove it or choose another folder")
+        if meta is None:  # written now: a shard renamed just before a stop is then unlisted, removed next run
+            meta = {"version": VERSION, "key": key, "taps": list(taps), "shards": []}
+            _write_json(self.root / "meta.json", meta)
+        self.meta = meta
+        listed = {s["name"] for s in self.meta["shards"]}
         for stale in self.root.glob(".shard-*"):  # a shard an interrupted run was writing
             shutil.rmtree(stale, ignore_errors=True)
+        for unlisted in self.root.glob("shard-*"):  # renamed, but the run stopped before meta.json listed it
+            if unlisted.is_dir() and unlisted.name not in listed:
+                shutil.rmtree(unlisted, ignore_errors=True)
         self.pending: list[dict] = []
 
     @property
@@ -68,7 +73,8 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        name = f"shard-{len(self.meta['shards']):05d}"
+        used = [int(SHARD_NAME.fullmatch(s["name"]).group(1)) for s in self.meta["shards"]]
+        name = f"shard-{max(used, default=-1) + 1:05d}"  # after the last listed (one may have been removed)
         tmp = self.root / f".{name}.partial-{os.getpid()}"
         tmp.mkdir()
         for f, dtype in FIELDS.items():
@@ -92,10 +98,9 @@ class MappedData:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        meta_path = self.root / "meta.json"
-        if not meta_path.is_file():
+        meta = check_store(self.root)  # every shard whole, before any file is mapped
+        if meta is None:
             raise SpecrtError(f"{self.root} is not a distillation store (no meta.json): build it with specrt distill")
-        meta = json.loads(meta_path.read_text())
         self.taps = tuple(meta["taps"])
         self.shards = []
         starts, prompt_lens, heldout, where = [0], [], [], []

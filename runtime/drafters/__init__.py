@@ -123,6 +123,12 @@ def runtime_names(kind: str) -> tuple[str, ...]:
 
 
 def make_drafter(name: str, ctx: DrafterContext) -> Drafter:
-    from specrt.kinds import kind_of, resolve
+    """Runtime drafter `name` for the bundle; a name whose kind the bundle lacks is refused in one line
+    listing every drafter the bundle runs and how to add the missing one."""
+    from specrt.errors import SpecrtError
+    from specrt.kinds import kind_of, not_in_bundle, resolve
 
-    return resolve(kind_of(name).runtime[name])(ctx)
+    spec = kind_of(name)
+    if not spec.available_in(ctx.manifest):
+        raise SpecrtError(not_in_bundle(name, ctx.manifest, ctx.bundle))
+    return resolve(spec.runtime[name])(ctx)

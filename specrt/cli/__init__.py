@@ -8,12 +8,13 @@ import click
 
 from specrt import __version__
 from specrt.errors import SpecrtError
+from specrt.paths import HOME_HELP
 
 COMMAND_MODULES = ("export_cmd", "distill_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
                    "doctor_cmd", "serve_cmd", "export_triton_cmd", "bench_serve_cmd", "serve_triton_cmd")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=HOME_HELP)
 @click.version_option(__version__, prog_name="specrt")
 def cli() -> None:
     """specrt: speculative decoding, exported to ONNX / TensorRT and served losslessly."""

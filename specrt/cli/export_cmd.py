@@ -15,9 +15,11 @@ from specrt.paths import default_bundle
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="Hugging Face model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Bundle folder to write. Default: the default bundle path ($SPECRT_HOME/bundles/...).")
-@click.option("--draft-layers", type=click.IntRange(min=0), default=4, show_default=True,
-              help="Export a layer-truncated copy of the target (first N layers) as the draft model; 0: none.")
+              help="Bundle folder to write. Default: $SPECRT_HOME/bundles/smollm2-135m-instruct ($SPECRT_HOME: "
+                   "default ./artifacts of the current directory; see specrt --help).")
+@click.option("--draft-layers", type=click.IntRange(min=0), default=None,
+              help="Export a layer-truncated copy of the target (its first N layers, N from 1 to its layers - 1) "
+                   "as the draft model; 0: none. Default: 4, or the target's layers - 1 when it has fewer than 5.")
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None,
               help="Export this model (same tokenizer) as the draft instead of a truncated copy.")
 @click.option("--drafter", "drafter_kinds", multiple=True,
@@ -42,7 +44,7 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     if drafter_weights is not None and len(drafter_kinds) != 1:
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
     learned = tuple((k, drafter_weights) for k in dict.fromkeys(drafter_kinds))
-    opts = ExportOptions(draft_layers=draft_layers or None, draft_model=draft_model,
+    opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,
                          quantize=quantize)
     manifest = export_bundle(model, out, opts)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from specrt.engines.registry import BACKENDS
-from specrt.paths import default_bundle
+from specrt.paths import existing_default_bundle
 from specrt.runtime.exec_modes import MODES as EXEC_MODES
 
 
@@ -56,7 +56,8 @@ def bundle_argument(f):
 
 
 def resolve_bundle(bundle: Path | None) -> Path:
-    return bundle if bundle is not None else default_bundle()
+    """BUNDLE as given, else the default bundle (refused, saying where specrt looked, when it is not there)."""
+    return bundle if bundle is not None else existing_default_bundle()
 
 
 def _apply(f, options):

@@ -24,6 +24,8 @@ from functools import cache
 
 from specrt.errors import SpecrtError
 
+AUTO = "auto"  # not a drafter of its own: each request runs the bundle's drafter that pays most
+
 
 def resolve(ref: str):
     """The object a "package.module:attribute" reference names."""
@@ -60,11 +62,17 @@ class DrafterSpec:
     public_loader: str | None = None  # (folder, meta, weights, target) -> module, for public checkpoints
     training: Training | None = None
     example_config: dict = field(default_factory=dict)  # a small valid config on a 2-layer target (tests)
+    add_hint: str | None = None  # how a bundle gets the kind (default for learned kinds: train, then export)
 
     @property
     def learned(self) -> bool:
         """Has weights of its own: a checkpoint, training, an export step."""
         return self.module is not None
+
+    @property
+    def how_to_add(self) -> str:
+        """The commands that give a bundle this kind."""
+        return self.add_hint or f"`specrt train {self.name}` then `specrt export --drafter {self.name}`"
 
     def available_in(self, manifest) -> bool:
         if self.available == "always":
@@ -100,5 +108,21 @@ def runtime_drafters() -> dict[str, DrafterSpec]:
 def kind_of(drafter: str) -> DrafterSpec:
     table = runtime_drafters()
     if drafter not in table:
-        raise SpecrtError(f"unknown drafter {drafter!r}: choose one of {', '.join(table)}")
+        raise SpecrtError(f"unknown drafter {drafter!r}: choose one of {', '.join([*table, AUTO])}")
     return table[drafter]
+
+
+def bundle_drafters(manifest) -> list[str]:
+    """Every name `--drafter` takes on a bundle: the model-free drafters, auto, then the runtime drafters
+    of each kind the bundle holds (its draft model, its learned drafters)."""
+    have = [s for s in kinds().values() if s.available_in(manifest)]
+    free = [n for s in have if s.available == "always" for n in s.runtime]
+    return [*free, AUTO, *(n for s in have if s.available != "always" for n in s.runtime)]
+
+
+def not_in_bundle(drafter: str, manifest, bundle) -> str:
+    """One line for `--drafter NAME` on a bundle without its kind: what the bundle runs, how to add it."""
+    spec = kind_of(drafter)
+    return (f"bundle {bundle} has no {spec.name} drafter for --drafter {drafter}; it runs "
+            f"{', '.join(bundle_drafters(manifest))}. Add {spec.name} with {spec.how_to_add} (export writes the "
+            "bundle anew: name every --drafter it should keep)")

@@ -11,4 +11,6 @@ SPEC = DrafterSpec(
     training=Training(objective="specrt.export.training.objectives:DraftObjective", epochs=10.0, lr=1e-4,
                       test_epochs=6, test_options={"num_layers": 2}),
     example_config={"num_layers": 1},
+    add_hint="`specrt export --draft-layers N` (the target's first N layers) or `specrt export --draft-model PATH`; "
+             "fine-tuned: `specrt train draft` then `specrt export --drafter draft`",
 )
