@@ -39,10 +39,19 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
     Ties at the top-k boundary are all kept; top-p keeps the smallest prefix of the sorted
     distribution whose mass reaches top_p (always at least one token).
+
+    Every temperature > 0 is exact, however small: the row's maximum is subtracted before scaling, so
+    the best logit scales to 0 and the others to finite negatives or -inf, never to inf - inf = nan.
+    As T -> 0 that is softmax's own limit, all the mass on the argmax (shared among ties): a tiny
+    temperature samples greedy's tokens, by the sampling rule the user asked for. Dividing first
+    overflowed float32 for T below ~1e-37 (or made T itself 0 below ~1e-45), every draw token 0.
     """
     if params.greedy:
         raise SpecrtError("warp() is for temperature > 0; greedy decoding uses the argmax")
-    x = logits.astype(np.float32) / np.float32(params.temperature)
+    x = logits.astype(np.float32)
+    x = x - x.max(-1, keepdims=True)  # <= 0, the best exactly 0
+    with np.errstate(over="ignore"):  # below -float32 max: -inf, probability 0 (exp underflows there anyway)
+        x = (x.astype(np.float64) / float(params.temperature)).astype(np.float32)
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = np.partition(x, v - params.top_k, axis=-1)[..., v - params.top_k, None]

@@ -23,6 +23,9 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 
+EMPTY_TREE_FIX = ("a tree needs at least one path like [[0]]; for plain decoding use --drafter plain, and for the "
+                  "default chain omit --tree")
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -31,6 +34,9 @@ class Tree:
 
     @classmethod
     def from_paths(cls, paths: list[list[int]] | list[tuple[int, ...]]) -> Tree:
+        """The tree of `paths` (at least one: an empty tree drafts nothing, which is plain decoding)."""
+        if not paths:
+            raise SpecrtError(f"tree paths {list(paths)} are empty: {EMPTY_TREE_FIX}")
         norm = sorted({tuple(int(c) for c in p) for p in paths}, key=lambda p: (len(p), p))
         if len(norm) != len(paths):
             raise SpecrtError(f"tree paths contain duplicates: {paths}")
@@ -136,6 +142,9 @@ def resolve_tree(spec: str | None, k: int) -> Tree:
         raise SpecrtError(f"cannot read --tree file {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise SpecrtError(f"{path}: not valid JSON ({e.msg}): expected a list of paths like [[0], [1], [0, 0]]") from None
-    if not isinstance(paths, list) or not all(isinstance(p, list) and all(isinstance(c, int) for c in p) for p in paths):
-        raise SpecrtError(f"{path}: expected a JSON list of paths (lists of ints) like [[0], [1], [0, 0]]")
+    if not isinstance(paths, list) or not all(isinstance(p, list) and all(type(c) is int for c in p) for p in paths):
+        raise SpecrtError(f"{path}: expected a JSON list of paths (lists of integers, not true/false or 1.0) like "
+                          "[[0], [1], [0, 0]]")
+    if not paths:
+        raise SpecrtError(f"{path}: the tree is empty ([]): {EMPTY_TREE_FIX}")
     return Tree.from_paths(paths)

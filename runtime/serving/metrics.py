@@ -33,8 +33,8 @@ class Metrics:
                               registry=r)
         self.rejected = Counter("specrt_rejected", "Requests refused because every slot and the queue were full",
                                 registry=r)
-        self.cancelled = Counter("specrt_cancelled", "Generations stopped because the client went away",
-                                 registry=r)
+        self.cancelled = Counter("specrt_cancelled", "Requests ended because the client went away (generating or "
+                                 "still queued); a stop sequence is a normal finish, not a cancellation", registry=r)
         self.errors = Counter("specrt_engine_errors", "Generations that failed inside the engine", registry=r)
         self.prompt_tokens = Counter("specrt_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("specrt_generation_tokens", "Tokens generated", registry=r)

@@ -6,13 +6,28 @@ text) and refused with a 400 naming them otherwise, so a request never silently 
 Fields that do not change the output (`user`, `metadata`, `store`, `service_tier`, …) and names neither
 API defines are ignored, as OpenAI-compatible servers do. Every string must be valid Unicode text (a
 lone UTF-16 surrogate such as "\\ud800" is refused).
+
+Every field is strict, as OpenAI's API is: a value of another JSON type is refused, never converted
+(`max_tokens: "4"`, `max_tokens: true`, `max_tokens: 4.0`, `stream: "yes"`, `temperature: "0.5"` are all
+400s naming the field and the type it needs). The one conversion is JSON's own: an integer is a valid
+number (`temperature: 1`), and `logit_bias` keys, JSON object keys, are token ids written in decimal.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from specrt.runtime.logits import MAX_TOP_LOGPROBS
 
@@ -29,6 +44,18 @@ def _unicode(v: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _token_id(v):
+    """A `logit_bias` key: JSON object keys are strings, so a token id arrives as decimal digits."""
+    if isinstance(v, str) and re.fullmatch(r"-?[0-9]+", v):
+        return int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    raise ValueError(f"the key {v!r} is not a token id (an integer written in decimal, like \"50256\")")
+
+
+TokenId = Annotated[int, BeforeValidator(_token_id)]
 
 
 def _neutral(*allowed: Any):
@@ -62,13 +89,13 @@ def _empty_list(v):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -79,9 +106,9 @@ class _Common(BaseModel):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[int, float] | None = None  # ids and values checked against the model: api.py
+    logit_bias: dict[TokenId, float] | None = None  # ids and values checked against the model: api.py
     # implemented at their neutral value only
-    n: Literal[1] = 1
+    n: Annotated[int, _neutral(1)] = 1  # a strict int: a Literal would take true and 1.0
     presence_penalty: Annotated[float | None, _neutral(0, 0.0)] = None
     frequency_penalty: Annotated[float | None, _neutral(0, 0.0)] = None
     repetition_penalty: Annotated[float | None, _neutral(1, 1.0)] = None  # vLLM's
@@ -110,7 +137,7 @@ class CompletionRequest(_Common):
     prompt: Text | list[Text]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-N per token
-    echo: Literal[False] = False
+    echo: Annotated[bool, _neutral(False)] = False
     best_of: Annotated[int | None, _neutral(1)] = None
     suffix: Annotated[str | None, _neutral("")] = None
 
@@ -136,14 +163,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: Text
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
@@ -189,3 +216,50 @@ class ChatRequest(_Common):
     @property
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ── refusals ─────────────────────────────────────────────────────────────────────────────────
+JSON_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"),
+              (dict, "an object"))  # bool before int: true is an int to Python
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in words: `a string ("4")`, `an array`, `null`."""
+    if value is None:
+        return "null"
+    kind = next((name for t, name in JSON_KINDS if isinstance(value, t)), type(value).__name__)
+    if not isinstance(value, (bool, int, float, str)):
+        return kind
+    shown = json.dumps(value)
+    return f"{kind} ({shown[:40]}{'…' if len(shown) > 40 else ''})"
+
+
+def _wrong_type(e: dict) -> bool:
+    return str(e.get("type", "")).endswith("_type") and "input" in e
+
+
+def _one(errors: list[dict]) -> str:
+    """One field's errors as one phrase. A union (`stop`: a string or a list of strings) reports each
+    alternative: one whose type matched says most (a string that is not valid text); else the deepest
+    ("stop: [1]" fails inside the list); alternatives that all failed on the value itself are joined
+    ("a valid string or a valid list")."""
+    right_type = [e for e in errors if not _wrong_type(e)]
+    if right_type:
+        return right_type[0].get("msg", "invalid")
+    depth = max(len(e.get("loc", ())) for e in errors)
+    deepest = [e for e in errors if len(e.get("loc", ())) == depth]
+    wanted = [e["msg"].removeprefix("Input should be ") for e in deepest]
+    return f"Input should be {' or '.join(dict.fromkeys(wanted))}, not {_json_kind(deepest[0]['input'])}"
+
+
+def describe_errors(errors: list[dict], max_fields: int = 5) -> tuple[str, str | None]:
+    """One readable line from pydantic's errors of a request body, and the first offending field:
+    `max_tokens: Input should be a valid integer, not a string ("4")`."""
+    by_field: dict[str, list[dict]] = {}
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})", None
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        by_field.setdefault(loc[0] if loc else "body", []).append(e)
+    parts = [f"{field}: {_one(errs)}" for field, errs in list(by_field.items())[:max_fields]]
+    return "; ".join(parts) or "invalid request body", next(iter(by_field), None)

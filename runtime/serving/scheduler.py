@@ -53,7 +53,8 @@ BATCH_HISTORY = 4096
 
 class Handle:
     """One submitted request: iterate (sync or async) for token chunks; `result` once finished.
-    `cancel()` frees its slot at the scheduler's next step."""
+    `cancel()` (the client went away) or `stop()` (the client has what it wanted: a stop sequence
+    matched) frees its slot, or its place in the queue, at the scheduler's next step."""
 
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
                  loop: asyncio.AbstractEventLoop | None, options: dict | None = None):
@@ -63,14 +64,23 @@ class Handle:
         self.loop = loop
         self.logprobs: list = []  # one `TokenLogprob` per delivered token when `logprobs` was asked for
         self._q: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
-        self.cancelled = False
+        self.cancel_reason: str | None = None  # the finish reason it was cut with: "cancelled" or "stop"
         self.result: Result | None = None
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
 
-    def cancel(self) -> None:
-        self.cancelled = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the generation at the next step with finish reason `reason` (the first reason given holds)."""
+        self.cancel_reason = self.cancel_reason or reason
+
+    def stop(self) -> None:
+        """A stop sequence matched: the request ended normally (finish reason "stop"), not cancelled."""
+        self.cancel("stop")
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_reason is not None
 
     # called from the scheduler thread
     def _put(self, item) -> None:
@@ -236,9 +246,9 @@ class Scheduler:
     def _admit(self, slot: _Slot) -> None:
         """A claimed slot's new sequence, its prompt queued as prefill chunks (run one per step)."""
         handle = slot.handle
-        if handle.cancelled:
+        if handle.cancelled:  # went away after leaving the queue, before its sequence began
             self._unclaim(slot)
-            handle._finish(None, None)
+            self._dropped(handle)
             return
         try:
             self._choose_drafter(slot)
@@ -281,11 +291,30 @@ class Scheduler:
             self._fail([slot], e)
 
     def _drop_cancelled(self) -> None:
+        """End cancelled or stopped sequences (their slots are free for the next admission), and drop
+        cancelled requests still queued."""
         for slot in self.slots:
             if slot.seq is not None and slot.handle.cancelled:
-                slot.seq.cancel("cancelled")
-                self.metrics.cancelled.inc()
+                reason = slot.handle.cancel_reason
+                slot.seq.cancel(reason)
+                if reason == "cancelled":
+                    self.metrics.cancelled.inc()
                 self._release(slot)
+        with self._lock:
+            gone = [h for h in self.waiting if h.cancelled]
+            for handle in gone:
+                self.waiting.remove(handle)
+            if gone:
+                self.metrics.waiting.set(len(self.waiting))
+        for handle in gone:
+            self._dropped(handle)
+
+    def _dropped(self, handle: Handle) -> None:
+        """A request that ended before its sequence began: counted, and its consumer told."""
+        if handle.cancel_reason == "cancelled":
+            self.metrics.cancelled.inc()
+        self.metrics.finished(handle.cancel_reason, time.perf_counter() - handle.submitted)
+        handle._finish(None, None)
 
     def _step(self) -> None:
         plans: dict[int, Pass] = {}

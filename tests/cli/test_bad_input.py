@@ -350,3 +350,36 @@ def test_model_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer_d
 def test_train_rejects_a_malformed_setting(tmp_path):
     proc = specrt("train", "medusa", "--set", "num_heads", "--target", tmp_path / "none")
     assert_one_line_error(proc, "--set", "KEY=VALUE")
+
+
+def test_a_tree_file_holding_no_paths_is_refused(tmp_path, tiny_bundle):
+    """`--tree empty.json` holding [] compiled to the root alone: plain decoding, silently."""
+    tree = tmp_path / "empty.json"
+    tree.write_text("[]")
+    proc = specrt("generate", tiny_bundle, "--prompt", "hi", "--max-new-tokens", "2", "--drafter", "draft",
+                  "--tree", tree)
+    assert_one_line_error(proc, str(tree), "the tree is empty", "--drafter plain", "omit --tree")
+
+
+@pytest.mark.parametrize("drafter", ["plain", "draft"])
+def test_tiny_temperatures_sample_the_argmax_not_token_0(tiny_bundle, drafter):
+    """--temperature 1e-300 passed validation, then logits / float32(T) was inf - inf = nan: token 0 every
+    step, reported lossless. The limit of sampling as T -> 0 is the argmax: greedy's tokens."""
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    def token_ids(temperature: str) -> list[int]:
+        r = CliRunner().invoke(cli, ["generate", str(tiny_bundle), "--prompt", "Name three colours.", "--json",
+                                     "--max-new-tokens", "12", "--max-seq-len", "64", "--drafter", drafter,
+                                     "--temperature", temperature, "--seed", "3"])
+        assert r.exit_code == 0, (r.output, r.exception)
+        out = json.loads(r.stdout.splitlines()[-1])
+        assert out["lossless"] is True
+        return out["token_ids"]
+
+    greedy = token_ids("0")
+    assert len(set(greedy)) > 1  # a real sequence, not one token repeated
+    assert token_ids("1e-300") == greedy
+    assert token_ids("1e-38") == greedy
+    assert token_ids("1e-42") == greedy  # overflows even the tiny model's logits (|logit| < 3.4) in float32

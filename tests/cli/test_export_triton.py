@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -136,21 +137,19 @@ def fake_pb_utils() -> types.ModuleType:
     return pb
 
 
-@pytest.fixture(scope="module")
-def served(repo):
-    """model.py from the repository, initialized as Triton's Python backend would."""
+@contextlib.contextmanager
+def python_model(path, name: str, args: dict):
+    """(model, pb): the Python-backend model file `path` imported as `name` beside the test double of
+    pb_utils, initialized with `args` as Triton would, finalized on exit."""
     pb = fake_pb_utils()
     saved = sys.modules.get("triton_python_backend_utils")
     sys.modules["triton_python_backend_utils"] = pb
     try:
-        spec = importlib.util.spec_from_file_location("specrt_triton_model_py", repo / "specrt_generate/1/model.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         model = module.TritonPythonModel()
-        config = json_format.MessageToJson(load_config(repo / "specrt_generate"), preserving_proto_field_name=True)
-        model.initialize({"model_config": config, "model_instance_kind": "CPU", "model_instance_device_id": "0",
-                          "model_repository": str(repo / "specrt_generate"), "model_version": "1",
-                          "model_name": "specrt_generate"})
+        model.initialize(args)
         yield model, pb
         model.finalize()
     finally:
@@ -158,6 +157,17 @@ def served(repo):
             sys.modules.pop("triton_python_backend_utils", None)
         else:
             sys.modules["triton_python_backend_utils"] = saved
+
+
+@pytest.fixture(scope="module")
+def served(repo):
+    """model.py from the repository, initialized as Triton's Python backend would."""
+    config = json_format.MessageToJson(load_config(repo / "specrt_generate"), preserving_proto_field_name=True)
+    with python_model(repo / "specrt_generate/1/model.py", "specrt_triton_model_py",
+                      {"model_config": config, "model_instance_kind": "CPU", "model_instance_device_id": "0",
+                       "model_repository": str(repo / "specrt_generate"), "model_version": "1",
+                       "model_name": "specrt_generate"}) as served_model:
+        yield served_model
 
 
 def outputs(response) -> dict:

@@ -62,3 +62,24 @@ def test_values_that_would_sample_garbage_are_refused(params, named):
 def test_numpy_scalars_are_valid_settings():
     p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9), seed=np.int64(7))
     assert warp(np.array([1.0, 2.0, 3.0, 4.0], np.float32), p).sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-45, 5e-324])
+def test_tiny_temperatures_are_softmax_limit_not_nan(temperature):
+    """logits / T overflowed float32 below T ~ 1e-37 (and float32(1e-300) is 0): inf - inf = nan, every
+    draw token 0. The limit of softmax(logits / T) as T -> 0 is all the mass on the argmax, shared by ties."""
+    logits = np.array([[1.0, 7.5, -3.0, 7.5 - 1e-5, -np.inf], [0.5, -2.0, 9.0, 9.0, 1.0]], np.float32)
+    p = warp(logits, SamplingParams(temperature=temperature))
+    assert np.isfinite(p).all(), p
+    np.testing.assert_array_equal(p, [[0, 1, 0, 0, 0], [0, 0, 0.5, 0.5, 0]])
+    topped = warp(logits, SamplingParams(temperature=temperature, top_k=2, top_p=0.9))
+    np.testing.assert_array_equal(topped[0], p[0])
+
+
+def test_ordinary_temperatures_are_unchanged_by_the_stable_form():
+    rng = np.random.default_rng(3)
+    logits = (4 * rng.normal(size=(4, 50))).astype(np.float32)
+    for t in (0.05, 0.7, 1.0, 2.0):
+        e = np.exp((logits.astype(np.float64) - logits.max(-1, keepdims=True)) / t)
+        np.testing.assert_allclose(warp(logits, SamplingParams(temperature=t)), e / e.sum(-1, keepdims=True),
+                                   rtol=2e-6, atol=1e-12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -75,3 +76,22 @@ def test_ngram_trie_merges_shared_prefixes():
     prop = trie([[5, 7], [5, 8], [4]], max_nodes=10)
     assert prop.tokens == [5, 7, 8, 4] and prop.parents == [0, 1, 1, 0]
     assert trie([[5, 7], [4]], max_nodes=2).tokens == [5, 7]
+
+
+def test_an_empty_tree_is_refused_not_plain_decoding(tmp_path):
+    """[] compiled to the root alone: every step drafted nothing, silently plain decoding."""
+    with pytest.raises(SpecrtError, match=r"tree paths \[\] are empty: .*--drafter plain.*omit --tree"):
+        Tree.from_paths([])
+    f = tmp_path / "empty.json"
+    f.write_text("[]")
+    with pytest.raises(SpecrtError, match=rf"^{re.escape(str(f))}: the tree is empty \(\[\]\): .*--drafter plain"):
+        resolve_tree(str(f), 4)
+
+
+@pytest.mark.parametrize("content", ["[[true]]", "[[0], [false]]", "[[0.0]]"])
+def test_tree_files_need_integer_ranks(tmp_path, content):
+    """true is an int to Python: [[0], [false]] read as [[0], [0]], [[true]] as [[1]]."""
+    f = tmp_path / "t.json"
+    f.write_text(content)
+    with pytest.raises(SpecrtError, match="lists of integers, not true/false"):
+        resolve_tree(str(f), 4)

@@ -279,3 +279,69 @@ def test_engine_errors_are_generic_and_counted(guarded, monkeypatch):
     assert _metric(url, "/v1/completions", 500) == before + 2
     monkeypatch.undo()
     assert _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# ── values of the wrong JSON type: refused, never converted ─────────────────────────────────
+LAX = [  # (field, value, the type the message names): each was silently converted before
+    ("max_tokens", True, "integer"), ("max_tokens", "4", "integer"), ("max_tokens", 4.0, "integer"),
+    ("stream", "yes", "boolean"), ("stream", 1, "boolean"), ("temperature", "0.5", "number"),
+    ("temperature", True, "number"), ("top_p", "0.9", "number"), ("top_k", "3", "integer"),
+    ("top_k", 3.0, "integer"), ("seed", True, "integer"), ("seed", "7", "integer"), ("n", True, "integer"),
+    ("n", 1.0, "integer"), ("echo", 0, "boolean"), ("logprobs", True, "integer"), ("best_of", True, "integer"),
+    ("stop", ["a", 3], "string"), ("presence_penalty", False, "number"), ("min_tokens", False, "integer"),
+    ("logit_bias", {"5": "1"}, "number"), ("logit_bias", {"5": True}, "number"),
+    ("logit_bias", {"five": 1}, "token id"), ("stream_options", {"include_usage": "yes"}, "boolean"),
+]
+
+
+@pytest.mark.parametrize("field, value, kind", LAX, ids=[f"{f}={v!r}" for f, v, _ in LAX])
+def test_values_of_the_wrong_type_are_refused(guarded, field, value, kind):
+    url, _ = guarded
+    body = {"prompt": PROMPT, "max_tokens": 2, **({"stream": True} if field == "stream_options" else {}),
+            field: value}
+    r = _post(url, "/v1/completions", body)
+    assert r.status_code == 400, (field, value, r.text)
+    error = r.json()["error"]
+    assert error["param"] == field and kind in error["message"] and "\n" not in error["message"], error
+    assert error["message"].startswith(f"{field}: "), error
+
+
+@pytest.mark.parametrize("field, value, kind", [("logprobs", 1, "boolean"), ("max_completion_tokens", "3", "integer"),
+                                                ("top_logprobs", True, "integer")])
+def test_chat_values_of_the_wrong_type_are_refused(guarded, field, value, kind):
+    url, _ = guarded
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, field: value}
+    r = _post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and kind in r.text, r.text
+
+
+def test_the_message_says_what_was_sent(guarded):
+    url, _ = guarded
+    r = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": "4"})
+    assert r.json()["error"]["message"] == 'max_tokens: Input should be a valid integer, not a string ("4")'
+    r = _post(url, "/v1/completions", {"prompt": PROMPT, "stop": 5})
+    assert r.json()["error"]["message"] == "stop: Input should be a valid string or a valid list, not an integer (5)"
+
+
+def test_json_numbers_and_token_id_keys_still_pass(guarded):
+    """What strictness must not refuse: an integer where a number is wanted, decimal token-id keys."""
+    url, _ = guarded
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 1, "top_p": 1, "seed": 4, "logit_bias": {"17": 1},
+            "n": 1, "presence_penalty": 0, "stream": False}
+    assert _post(url, "/v1/completions", body).status_code == 200
+
+
+# ── temperatures too small for float32 ──────────────────────────────────────────────────────
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-42])
+def test_tiny_temperatures_sample_the_argmax_not_token_0(guarded, temperature):
+    """T = 1e-300 passed validation, then logits / float32(T) was nan: token 0 every step (1e-38 too
+    once a logit passes 3.4; the tiny model's stay below, 1e-42 overflows them). The limit of sampling
+    as T -> 0 is the argmax, so the answer is greedy's."""
+    url, _ = guarded
+    body = {"prompt": PROMPT, "max_tokens": 8, "logprobs": 0, "seed": 5}
+    greedy = _post(url, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]
+    tiny = _post(url, "/v1/completions", {**body, "temperature": temperature})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy["text"]
+    assert tiny.json()["choices"][0]["logprobs"]["tokens"] == greedy["logprobs"]["tokens"]
+    assert len(set(greedy["logprobs"]["tokens"])) > 1

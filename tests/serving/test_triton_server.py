@@ -101,10 +101,14 @@ def test_greedy_equals_plain_decoding(server, tiny_reference):
     body = response.json()
     assert_equals_reference(body, reference)
     assert json.loads(body["stats_json"])["drafter"] == "draft"
+    for tiny in (1e-38, 1e-42, 1e-300):  # sampling's limit as T -> 0 is greedy (1e-38 was nan in float32: token 0)
+        sampled = generate(url, PROMPT, temperature=tiny, seed=1)
+        assert sampled.status_code == 200, sampled.text
+        assert_equals_reference(sampled.json(), reference)
 
     infer = httpx.post(f"{url}/v2/models/{GENERATE_MODEL}/infer", timeout=120, json={"inputs": [
         {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]},
-        {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [MAX_TOKENS]}]})
+        {"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": [MAX_TOKENS]}]})
     assert infer.status_code == 200, infer.text
     outputs = {o["name"]: o["data"][0] for o in infer.json()["outputs"]}
     assert outputs["text_output"] == reference.text and outputs["tokens"] == len(reference.token_ids)
@@ -157,6 +161,9 @@ def test_bad_requests_get_4xx_and_the_server_lives(server, tiny_reference):
     assert bad_value.status_code == 400 and "max_tokens" in bad_value.json()["error"], bad_value.text
     bad_top_p = generate(url, PROMPT, top_p=1.5)
     assert bad_top_p.status_code == 400 and "top-p" in bad_top_p.json()["error"], bad_top_p.text
+    for wraps in (4294967301, 3000000000):  # at INT32 Triton made them 5 and -1294967296
+        huge = generate(url, PROMPT, max_tokens=wraps)
+        assert huge.status_code == 400 and f"max_tokens {wraps} is out of range" in huge.json()["error"], huge.text
     # tritonserver 2.51 itself answers 500 to JSON it cannot convert; still an error, not a crash
     unparsable = httpx.post(f"{model}/generate", content=b"{not json", timeout=60)
     assert unparsable.status_code >= 400 and "error" in unparsable.json(), unparsable.text

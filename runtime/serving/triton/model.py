@@ -8,10 +8,10 @@ the bundle named by config.pbtxt parameter `bundle` (relative to this file) with
 and answers one request at a time:
 
     text_input  TYPE_STRING [1]            the prompt (chat template applied unless raw=true)
-    max_tokens  TYPE_INT32  [1] optional   new tokens (default: parameter max_tokens)
+    max_tokens  TYPE_INT64  [1] optional   new tokens, 1 to capacity - 1 (default: parameter max_tokens)
     temperature TYPE_FP32   [1] optional   0 = greedy (default)
     top_p       TYPE_FP32   [1] optional   1 = off
-    top_k       TYPE_INT32  [1] optional   0 = off
+    top_k       TYPE_INT64  [1] optional   0 = off
     seed        TYPE_INT64  [1] optional   same seed, same output
     raw         TYPE_BOOL   [1] optional   skip the chat template
  →  text_output, finish_reason (TYPE_STRING [1]); tokens (TYPE_INT32 [1]);
@@ -20,6 +20,11 @@ and answers one request at a time:
 Decoupled (config.pbtxt `model_transaction_policy { decoupled: true }`): one response per committed
 text piece (`text_output` only), then a final response (flag COMPLETE_FINAL) with `text_output` ""
 and every other output; the pieces concatenate to the unary `text_output`.
+
+Each input must have its declared type's kind (an integer count, a float, a bool, text): a tensor of
+another kind (a float max_tokens, an int temperature) is refused naming the input, never converted.
+Counts are INT64 because Triton wraps a JSON number into the declared type; values out of range are
+refused as sent (max_tokens 4294967301, not the 5 an INT32 made of it).
 """
 
 import json
@@ -38,14 +43,28 @@ def _parameters(model_config: dict) -> dict:
     return {**DEFAULTS, **{k: v for k, v in given.items() if v != ""}}
 
 
+# numpy dtype kinds each input may arrive as (config.pbtxt declares one; another is a misconfigured
+# repository or client, refused rather than converted: int(2.7) and float(True) would pass silently)
+INPUT_KINDS = {"text_input": ("OS", "TYPE_STRING"), "max_tokens": ("iu", "TYPE_INT64"),
+               "temperature": ("f", "TYPE_FP32"), "top_p": ("f", "TYPE_FP32"), "top_k": ("iu", "TYPE_INT64"),
+               "seed": ("iu", "TYPE_INT64"), "raw": ("b", "TYPE_BOOL")}
+
+
 def _scalar(request, name: str, default):
-    """The first element of optional input `name`, or `default` when the request does not carry it."""
+    """The element of optional input `name` (shape [1], of its declared kind), or `default` when the
+    request does not carry it; ValueError naming the input otherwise."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return default
-    values = tensor.as_numpy().reshape(-1)
+    array = tensor.as_numpy()
+    kinds, declared = INPUT_KINDS[name]
+    if array.dtype.kind not in kinds:
+        raise ValueError(f"input {name} has data type {array.dtype}: send it as {declared}")
+    values = array.reshape(-1)
     if values.size == 0:
         return default
+    if values.size > 1:
+        raise ValueError(f"input {name} has {values.size} values: send one (shape [1])")
     value = values[0]
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
@@ -99,13 +118,16 @@ class TritonPythonModel:
         prompt = _scalar(request, "text_input", None)
         if prompt is None:
             raise SpecrtError("the request has no text_input: send the prompt as a TYPE_STRING [1] tensor")
-        sampling = SamplingParams(temperature=float(_scalar(request, "temperature", 0.0)),
-                                  top_k=int(_scalar(request, "top_k", 0)),
-                                  top_p=float(_scalar(request, "top_p", 1.0)),
+        sampling = SamplingParams(temperature=_scalar(request, "temperature", 0.0),
+                                  top_k=_scalar(request, "top_k", 0),
+                                  top_p=_scalar(request, "top_p", 1.0),
                                   seed=_scalar(request, "seed", None))
-        max_tokens = int(_scalar(request, "max_tokens", self.max_tokens))
-        if max_tokens < 1:
-            raise SpecrtError(f"max_tokens {max_tokens} must be >= 1")
+        max_tokens = _scalar(request, "max_tokens", None)
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        elif not 1 <= max_tokens < self.generator.capacity:  # as sent: INT64, never wrapped
+            raise SpecrtError(f"max_tokens {max_tokens} is out of range: 1 to {self.generator.capacity - 1} (this "
+                              f"model's context is {self.generator.capacity} tokens, the prompt included)")
         return {"prompt": prompt, "max_new_tokens": max_tokens, "raw": bool(_scalar(request, "raw", False)),
                 "sampling": sampling}
 

@@ -48,9 +48,11 @@ TRITON_DTYPES = {
     onnx.TensorProto.INT8: "TYPE_INT8", onnx.TensorProto.UINT8: "TYPE_UINT8", onnx.TensorProto.BOOL: "TYPE_BOOL",
 }
 
-# the Python model's request / response tensors: (name, data type, optional)
-GENERATE_INPUTS = (("text_input", "TYPE_STRING", False), ("max_tokens", "TYPE_INT32", True),
-                   ("temperature", "TYPE_FP32", True), ("top_p", "TYPE_FP32", True), ("top_k", "TYPE_INT32", True),
+# the Python model's request / response tensors: (name, data type, optional). Counts are INT64: Triton
+# converts a JSON number to the declared type by wrapping, so an INT32 max_tokens 4294967301 reached the
+# model as 5; at INT64 it arrives as sent and model.py refuses it naming that value.
+GENERATE_INPUTS = (("text_input", "TYPE_STRING", False), ("max_tokens", "TYPE_INT64", True),
+                   ("temperature", "TYPE_FP32", True), ("top_p", "TYPE_FP32", True), ("top_k", "TYPE_INT64", True),
                    ("seed", "TYPE_INT64", True), ("raw", "TYPE_BOOL", True))
 GENERATE_OUTPUTS = (("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"), ("tokens", "TYPE_INT32"),
                     ("mean_accepted_length", "TYPE_FP32"), ("acceptance_rate", "TYPE_FP32"),
@@ -286,10 +288,10 @@ KV cache in and out) for clients that drive the loop themselves; `specrt_generat
 | input | type | |
 |---|---|---|
 | `text_input` | TYPE_STRING [1] | the prompt (the model's chat template is applied unless `raw`) |
-| `max_tokens` | TYPE_INT32 [1] | optional: new tokens |
+| `max_tokens` | TYPE_INT64 [1] | optional: new tokens (1 to the context's size − 1) |
 | `temperature` | TYPE_FP32 [1] | optional: 0 = greedy (default) |
 | `top_p` | TYPE_FP32 [1] | optional: 1 = off |
-| `top_k` | TYPE_INT32 [1] | optional: 0 = off |
+| `top_k` | TYPE_INT64 [1] | optional: 0 = off |
 | `seed` | TYPE_INT64 [1] | optional: same seed, same output |
 | `raw` | TYPE_BOOL [1] | optional: skip the chat template |
 
@@ -317,7 +319,7 @@ KServe v2 infer endpoint (HTTP; gRPC takes the same tensors):
 ```
 curl -s localhost:8000/v2/models/specrt_generate/infer -d '{{"inputs": [
   {{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["What is speculative decoding?"]}},
-  {{"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [64]}}]}}'
+  {{"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": [64]}}]}}'
 ```
 """
 
