@@ -26,6 +26,7 @@ from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
 from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick, payoff
+from specrt.runtime.reference import Reference
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, pack_windows
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
@@ -265,6 +266,12 @@ class Generator:
         """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
         follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
         return self.exactness.lossless or (self.drafter_name == "plain" and self.slots == 1)
+
+    @property
+    def reference(self) -> Reference:
+        """What this generator's output is exact to where `lossless` holds: plain decoding of its target
+        graph on its backend in its execution mode (runtime/reference.py)."""
+        return Reference.of(self)
 
     @property
     def max_depth(self) -> int:

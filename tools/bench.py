@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specrt.errors import SpecrtError
 from specrt.runtime.generate import Generator
 from specrt.runtime.payoff import AUTO
+from specrt.runtime.reference import same_reference
 from specrt.runtime.sampling import SamplingParams
 
 
@@ -169,7 +170,11 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
         if r["peer"]:  # peers decode greedily whatever --temperature says
             specrt_plain = outputs[("plain", r["id"], r["repeat"])]
             r["same_as_specrt_plain"] = out == specrt_plain if sampling.greedy else None
-    return {"config": {"configs": list(configs), "peers": list(peers),
+    # what each reference engine is (runtime/reference.py): specrt's plain here; a specrt peer's plain (another
+    # backend, mode or bundle) says so in its settings; other engines' plain runs are references of their own
+    references = {"plain": gen.reference.to_dict(sampling.greedy)}
+    references.update({n: p.settings.get("exact_to") for n, p in peers.items() if p.reference is None})
+    return {"config": {"configs": list(configs), "peers": list(peers), "references": references,
                        "peer_settings": {n: {"reference": p.reference, **p.settings}
                                          for n, p in peers.items()},
                        "max_new_tokens": max_new_tokens,
@@ -177,7 +182,8 @@ def run_bench(gen: Generator, prompts: Sequence[Prompt], drafters: Sequence[str]
                        "trees": [t or "chain" for t in trees], "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
                        "prompts": len(prompts)},
-            "rows": rows, "summary": summarize(rows), "by_category": summarize(rows, by_category=True)}
+            "rows": rows, "summary": summarize(rows, references=references),
+            "by_category": summarize(rows, by_category=True, references=references)}
 
 
 def _median_tps(rows: list[dict]) -> dict[tuple, float]:
@@ -200,10 +206,14 @@ def _identical(rs: list[dict]) -> str:
     return "n/a (sampling)"
 
 
-def summarize(rows: list[dict], by_category: bool = False) -> dict:
+def summarize(rows: list[dict], by_category: bool = False, references: dict | None = None) -> dict:
     """Per drafter (or per drafter and category): tokens/s (median, min and max over prompts, each
     prompt's value the median over repeats), speedup vs plain and vs every peer, τ, identical k/n
-    (against the row's reference engine: plain for specrt, the peer's own plain run for a peer)."""
+    (against the row's reference engine, `held_to`: plain for specrt, the peer's own plain run for a peer;
+    `held_to_is` says what that engine is where `references` (engine -> runtime/reference.py record) knows).
+    A peer held to another specrt reference than plain (another backend, mode or bundle) compares its
+    plain output with specrt's as one reference with another: `same_as_specrt_plain` is then
+    "different reference (d/n differ)" where d of n prompts differ, not a failure."""
     tps = _median_tps(rows)
     peers = list(dict.fromkeys(r["drafter"] for r in rows if r.get("peer")))
     groups = defaultdict(list)
@@ -231,21 +241,40 @@ def summarize(rows: list[dict], by_category: bool = False) -> dict:
             for r in rs:
                 used[r["drafter_used"]] += 1
             entry["drafters_used"] = dict(sorted(used.items(), key=lambda kv: -kv[1]))
+        held_to = rs[0].get("reference") or name  # a plain peer is held to itself
+        entry["held_to"] = held_to
+        known = (references or {}).get(held_to)
+        if known:
+            entry["held_to_is"] = known["text"]
         if any(r.get("peer") for r in rs):
             entry["reference"] = rs[0].get("reference")
-            same = [r.get("same_as_specrt_plain") for r in rs]
-            entry["same_as_specrt_plain"] = (f"{sum(map(bool, same))}/{len(same)}"
-                                             if all(v is not None for v in same) else "n/a (sampling)")
+            entry.update(_same_as_plain(rs, same_reference(known, (references or {}).get("plain"))))
         out["/".join(key) if by_category else key] = entry
     return out
 
 
+def _same_as_plain(rs: list[dict], same_ref: bool | None) -> dict:
+    """`same_as_specrt_plain` of a peer's rows: k/n runs equal to specrt's plain output; for a peer held to
+    a different specrt reference (same_ref False), "different reference (d/n differ)" over prompts."""
+    same = [r.get("same_as_specrt_plain") for r in rs]
+    if any(v is None for v in same):
+        return {"same_as_specrt_plain": "n/a (sampling)"}
+    if same_ref is False:
+        ids = sorted({r["id"] for r in rs})
+        differ = sorted({r["id"] for r in rs if not r["same_as_specrt_plain"]})
+        label = f"different reference ({len(differ)}/{len(ids)} differ)" if differ else f"{len(ids)}/{len(ids)}"
+        return {"same_as_specrt_plain": label, "different_reference": True, "prompts_differing": len(differ)}
+    return {"same_as_specrt_plain": f"{sum(map(bool, same))}/{len(same)}"}
+
+
 def format_table(summary: dict) -> str:
-    """One line per engine; one `× PEER` column per peer present (its tok/s ÷ that peer's)."""
+    """One line per engine; one `× PEER` column per peer present (its tok/s ÷ that peer's); `held to`: the
+    engine its `identical` column is checked against; below, what each such reference engine is."""
     peers = list(dict.fromkeys(p for s in summary.values() for p in s.get("speedup_vs", {})))
+    held = max([len("held to"), *(len(s.get("held_to", "")) for s in summary.values())])
     lines = [f"{'engine':<34} {'tok/s (median)':>15} {'min–max':>13} {'× plain':>9}"
              + "".join(f" {'× ' + p:>{max(9, len(p) + 2)}}" for p in peers)
-             + f" {'τ':>7} {'identical':>16} {'= specrt plain':>14}  accepted at depth 1,2,3,…"]
+             + f" {'τ':>7} {'identical':>16} {'held to':<{held}} {'= specrt plain':>14}  accepted at depth 1,2,3,…"]
     for name, s in summary.items():
         sp = f"{s['speedup_vs_plain']:.2f}" if s["speedup_vs_plain"] is not None else "-"
         vs = "".join(f" {_fmt(s.get('speedup_vs', {}).get(p)):>{max(9, len(p) + 2)}}" for p in peers)
@@ -255,9 +284,15 @@ def format_table(summary: dict) -> str:
         spread = f"{lo:.0f}–{hi:.0f}" if lo is not None and hi is not None else "-"
         same = s.get("same_as_specrt_plain", "")
         lines.append(f"{name:<34} {s['tokens_per_s_median']:>15.1f} {spread:>13} {sp:>9}{vs} {tau:>7} "
-                     f"{s['identical']:>16} {same:>14}  {pos}")
+                     f"{s['identical']:>16} {s.get('held_to', ''):<{held}} {same:>14}  {pos}")
     lines += [f"{name}: requests ran " + ", ".join(f"{d} {n}" for d, n in s["drafters_used"].items())
               for name, s in summary.items() if "drafters_used" in s]
+    refs = {s["held_to"]: s["held_to_is"] for s in summary.values() if s.get("held_to_is")}
+    lines += [f"reference {name} = {text}" for name, text in refs.items()]
+    lines += [f"{name} is a different reference from plain: its plain output differs from plain's on "
+              f"{s['prompts_differing']} prompt(s); each engine is exact to its own reference"
+              for name, s in summary.items() if s.get("different_reference") and s.get("prompts_differing")
+              and name == s.get("held_to")]  # a plain peer's own line (not its per-category ones)
     return "\n".join(lines)
 
 

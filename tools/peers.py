@@ -330,7 +330,8 @@ def baseline_peer(bundle: Path, threads: int, max_seq_len: int | None = None,
         res = gen.generate_ids(ids, max_new_tokens)
         return res.token_ids, res.stats.seconds
 
-    return {f"specrt-{scheme}-plain": Peer(run, reference=None, settings={"bundle": str(bundle)})}
+    settings = {"bundle": str(bundle), "exact_to": gen.reference.to_dict()}  # the reference it is (bench)
+    return {f"specrt-{scheme}-plain": Peer(run, reference=None, settings=settings)}
 
 
 def variant_peers(bundle: Path, tag: str, drafters: list[str], threads: int, max_seq_len: int | None = None,
@@ -354,7 +355,8 @@ def variant_peers(bundle: Path, tag: str, drafters: list[str], threads: int, max
         return run
 
     plain = f"specrt-{tag}-plain"
-    settings = {"bundle": str(bundle), **options, "batch_invariant": gen.exactness.lossless}
+    settings = {"bundle": str(bundle), **options, "batch_invariant": gen.exactness.lossless,
+                "exact_to": gen.reference.to_dict()}  # the reference its plain run is (bench)
     peers = {plain: Peer(runner("plain"), reference=None, settings=settings)}
     for d in drafters:
         if d != "plain":

@@ -122,9 +122,23 @@ def engines_section(result: dict) -> str:
         rows.append([name, _fmt(s.get("tokens_per_s_median"), ".1f"), _fmt(s.get("tokens_per_s_min"), ".1f"),
                      _fmt(s.get("tokens_per_s_max"), ".1f"), _fmt(_speedup(s)),
                      *(_fmt(vs.get(p)) for p in peers), _fmt(s.get("mean_accepted_len")),
-                     _fmt(s.get("identical"))])
-    header = ["engine", "tok/s median", "min", "max", "× plain", *(f"× {p}" for p in peers), "τ", "identical"]
-    return "## Engines\n\n" + md_table(header, rows)
+                     _fmt(s.get("identical")), _fmt(s.get("held_to")), _fmt(s.get("same_as_specrt_plain"))])
+    header = ["engine", "tok/s median", "min", "max", "× plain", *(f"× {p}" for p in peers), "τ", "identical",
+              "held to", "= specrt plain"]
+    return "## Engines\n\n" + md_table(header, rows) + references_note(summary)
+
+
+def references_note(summary: dict) -> str:
+    """What each engine an `identical` column is held to is (where the run knows it)."""
+    refs = {s["held_to"]: s["held_to_is"] for s in summary.values() if s.get("held_to_is")}
+    if not refs:
+        return ""
+    lines = [f"- `{name}`: {text}" for name, text in refs.items()]
+    lines += [f"- `{name}` is a different reference from `plain` (its plain output differs on "
+              f"{s['prompts_differing']} prompt(s)): each engine is exact to its own reference, not to the other's"
+              for name, s in summary.items() if s.get("different_reference") and s.get("prompts_differing")
+              and name == s.get("held_to")]  # a plain peer's own line (not its per-category ones)
+    return "\n\nEach engine's `identical` is checked against the engine in `held to`:\n\n" + "\n".join(lines)
 
 
 def category_section(result: dict, by_cat: dict) -> str:

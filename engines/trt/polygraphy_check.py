@@ -1,71 +1,35 @@
 """`specrt validate --polygraphy`: a bundle's graphs vs the PyTorch reference outputs saved at export.
 
 Polygraphy runs each graph that has reference files (export/reference_io.py) on ONNX Runtime (CPU) on
-the saved inputs and compares every output with the "pytorch" results, with tolerances chosen by the
-bundle's precision. Where TensorRT is installed and the manifest lists engines, the engines are
-compared with ONNX Runtime the same way.
+the saved inputs and compares every output with the "pytorch" results. Where TensorRT is installed and
+the manifest lists engines, the engines are compared with ONNX Runtime the same way.
 
-Tolerances, by precision (Polygraphy's `simple` comparison; per output, "" is the default):
-  fp32   elemwise atol 1e-3 / rtol 1e-3 (an element fails only if it exceeds both): export's parity
-         tolerance; the graphs measure a few 1e-5 on logits.
-  int4 / int8 (weight-only MatMulNBits vs the fp32 module): per element the error *is* the quantization
-         noise (max |Δlogits| 11.6 on the default int4 bundle), so the check is on the mean absolute
-         error plus Polygraphy's cosine similarity per output, at about 2x the measured error of the
-         default int4 SmolLM2-135M bundle (target; a 6-token tree window over seeded random ids):
-             output          mean |Δ| measured / atol     cosine measured / minimum
-             logits          1.88 / 4.0                   0.986 / 0.95
-             hidden_states   0.56 / 1.5                   0.923 / 0.8
-             aux_hidden      7.54 / 20                    0.998 / 0.95
-             present KV      <= 0.23 / 0.5                >= 0.729 / 0.5
-         int8 uses the same (not measured: its noise is ~16x smaller than int4's).
-  TensorRT fp16 / bf16 vs ONNX Runtime fp32: elemwise atol 5e-2 / rtol 5e-2 (never run on this machine).
+Each comparison is held to the rule of its (graph precision, reference precision) pair, one table in
+engines/trt/polygraphy_rules.py with the measurements behind every bound: max |Δ| against a multiple
+of the output's range, and where the precision's noise needs it, cosine similarity. A failure names
+the role, the output, the measured value and the bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from specrt.engines.trt.polygraphy_rules import Rule, bound_of, rule_for
 from specrt.errors import SpecrtError
 from specrt.schema.manifest import Manifest
 
 REFERENCE = "pytorch"
 ORT = "onnxruntime"
 TRT = "tensorrt"
-
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    atol: float | dict
-    rtol: float | dict
-    stat: str  # Polygraphy's check_error_stat
-    cosine: float | dict | None = None  # minimum cosine similarity per output, if checked
-
-
-FP32 = Tolerance(1e-3, 1e-3, "elemwise")
-QUANTIZED = Tolerance({"logits": 4.0, "hidden_states": 1.5, "aux_hidden_states": 20.0, "": 0.5}, 0.0, "mean",
-                      {"logits": 0.95, "hidden_states": 0.8, "aux_hidden_states": 0.95, "": 0.5})
-HALF = Tolerance(5e-2, 5e-2, "elemwise")  # TensorRT fp16 / bf16 engines vs ONNX Runtime fp32
-
-
-def _per_output(value, name: str):
-    return value.get(name, value[""]) if isinstance(value, dict) else value
+SHOWN = 3  # failures named on the verdict line (every one is on its own line above)
+REFERENCE_PRECISION = "fp32"  # export saves the fp32 PyTorch modules' outputs (export/reference_io.py)
 
 
 def precision(manifest: Manifest) -> str:
     q = manifest.artifacts.get("quantization")
     return q["scheme"] if q else "fp32"
-
-
-def tolerance_for(name: str) -> Tolerance:
-    if name == "fp32":
-        return FP32
-    if name in ("int4", "int8"):
-        return QUANTIZED
-    if name in ("fp16", "bf16"):
-        return HALF
-    raise SpecrtError(f"no Polygraphy tolerance for precision {name!r}")
 
 
 def reference_files(bundle: Path, manifest: Manifest) -> dict[str, tuple[Path, Path]]:
@@ -89,30 +53,51 @@ def _exact(name, index, iter_result):  # Polygraphy's default also matches by su
     return [name] if name in iter_result else None
 
 
-def compare(results, candidate: str, reference: str, tol: Tolerance) -> dict:
-    """Polygraphy's comparison of runner `candidate` with `reference` (one iteration each in `results`):
-    {output: {max_abs, max_rel, mean_abs, atol, rtol, stat, (cosine, min_cosine), pass}}, and a failing
-    entry for each reference output the candidate does not produce."""
+def compare(results, candidate: str, reference: str, rule: Rule) -> dict:
+    """Polygraphy's comparison of runner `candidate` with `reference` (one iteration each in `results`)
+    under `rule`: {output: {max_abs, max_rel, mean_abs, ref_peak, (bound, peak), (cosine, min_cosine),
+    pass, (failed: [reason, ...])}}, and a failing entry for each reference output the candidate lacks."""
     from polygraphy.comparator import Comparator, CompareFunc
     from polygraphy.comparator.compare import CosineSimilarityCompareFunc
 
-    funcs = [CompareFunc.simple(atol=tol.atol, rtol=tol.rtol, check_error_stat=tol.stat, find_output_func=_exact)]
-    if tol.cosine is not None:
-        funcs.append(CosineSimilarityCompareFunc(cosine_similarity_threshold=tol.cosine, find_output_func=_exact))
-    accuracy = Comparator.compare_accuracy(results, compare_func=funcs, comparisons=[(0, 1)])
     got, want = results[candidate][0], results[reference][0]
+    bounds = {name: bound_of(rule, name) for name in want.keys()}
+    ref_peak = {name: float(np.max(np.abs(want[name]))) if np.size(want[name]) else 0.0 for name in want.keys()}
+    atol = {name: b.peak * ref_peak[name] if b.peak is not None else np.inf for name, b in bounds.items()}
+    funcs = [CompareFunc.simple(atol={**atol, "": 0.0}, rtol=0.0, check_error_stat="elemwise",
+                                find_output_func=_exact)]
+    cosine = {name: b.min_cosine for name, b in bounds.items() if b.min_cosine is not None}
+    if cosine:
+        funcs.append(CosineSimilarityCompareFunc(cosine_similarity_threshold={**cosine, "": -1.0},
+                                                 find_output_func=_exact))
+    accuracy = Comparator.compare_accuracy(results, compare_func=funcs, comparisons=[(0, 1)])
     report = {}
     for func_result in accuracy:
         for name, r in func_result[(candidate, reference)][0].items():
-            entry = report.setdefault(name, {"pass": True})
-            entry["pass"] = entry["pass"] and bool(r)
+            entry = report.setdefault(name, {"pass": True, "failed": []})
             if isinstance(r, bool):  # Polygraphy's verdict without statistics: the shapes differ
+                entry["pass"] = False
                 entry["error"] = f"shape {list(got[name].shape)} vs {list(want[name].shape)}"
             elif hasattr(r, "cosine_similarity"):
-                entry.update(cosine=r.cosine_similarity, min_cosine=_per_output(tol.cosine, name))
+                if name in cosine:
+                    entry.update(cosine=r.cosine_similarity, min_cosine=cosine[name])
+                    if not r.cosine_similarity >= cosine[name]:  # NaN fails
+                        entry["failed"].append(f"cosine {r.cosine_similarity:.4f} < {cosine[name]:g}")
             else:
-                entry.update(max_abs=r.max_absdiff, max_rel=r.max_reldiff, mean_abs=r.mean_absdiff,
-                             atol=_per_output(tol.atol, name), rtol=_per_output(tol.rtol, name), stat=tol.stat)
+                entry.update(max_abs=float(r.max_absdiff), max_rel=float(r.max_reldiff),
+                             mean_abs=float(r.mean_absdiff), ref_peak=ref_peak[name])
+                peak = bounds[name].peak
+                if peak is not None:
+                    entry.update(bound=atol[name], peak=peak)
+                if not np.isfinite(entry["max_abs"]):
+                    entry["failed"].append(f"max|Δ| {entry['max_abs']} is not finite")
+                elif peak is not None and not bool(r):
+                    entry["failed"].append(f"max|Δ| {entry['max_abs']:.3e} > bound {atol[name]:.3e} "
+                                           f"({peak:g} × max|ref| {ref_peak[name]:.3g})")
+    for entry in report.values():
+        entry["pass"] = entry["pass"] and not entry["failed"]
+        if not entry["failed"]:
+            del entry["failed"]
     for name in want.keys():
         if name not in got.keys():
             report[name] = {"pass": False, "error": f"the {candidate} graph has no output {name}"}
@@ -145,15 +130,16 @@ def _trt_engines(bundle: Path, manifest: Manifest) -> dict:
     return {role: (Path(bundle) / e["file"], entry.get("precision", "fp16")) for role, e in engines.items()}
 
 
-def _check(role: str, ran: tuple, vs: tuple, prec: str, graph: Path) -> dict:
+def _check(role: str, ran: tuple, vs: tuple, prec: str, ref_prec: str, graph: Path) -> dict:
     """One comparison: (runner name, its results) against (runner name, the reference's)."""
     from polygraphy.comparator import RunResults
 
     pair = RunResults()
     pair.append(ran)
     pair.append(vs)
-    return {"role": role, "backend": ran[0], "vs": vs[0], "precision": prec, "graph": str(graph),
-            "outputs": compare(pair, ran[0], vs[0], tolerance_for(prec))}
+    rule = rule_for(prec, ref_prec)
+    return {"role": role, "backend": ran[0], "vs": vs[0], "precision": prec, "vs_precision": ref_prec,
+            "rule": rule.basis, "graph": str(graph), "outputs": compare(pair, ran[0], vs[0], rule)}
 
 
 def polygraphy_check(bundle: Path, threads: int = 2, trt: bool | None = None) -> dict:
@@ -184,7 +170,7 @@ def polygraphy_check(bundle: Path, threads: int = 2, trt: bool | None = None) ->
                 path = manifest.onnx_path(bundle, role)
                 ran = Comparator.run([_ort_runner(path, threads)], data_loader=feeds)
                 checks.append(_check(role, (ORT, ran[ORT]), (REFERENCE, reference[REFERENCE]), prec,
-                                     path.relative_to(bundle)))
+                                     REFERENCE_PRECISION, path.relative_to(bundle)))
                 if role in engines:  # NEVER RUN HERE (no TensorRT on the CPU machines): engine vs ONNX Runtime
                     from polygraphy.backend.common import BytesFromPath
                     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
@@ -193,7 +179,7 @@ def polygraphy_check(bundle: Path, threads: int = 2, trt: bool | None = None) ->
                     ran_trt = Comparator.run([TrtRunner(EngineFromBytes(BytesFromPath(str(engine))), name=TRT)],
                                              data_loader=feeds)
                     checks.append(_check(role, (TRT, ran_trt[TRT]), (ORT, ran[ORT]), half,
-                                         engine.relative_to(bundle)))
+                                         prec, engine.relative_to(bundle)))
     except PolygraphyException as e:
         raise SpecrtError(f"Polygraphy failed: {str(e).strip().splitlines()[-1][:300]}") from None
     for c in checks:
@@ -202,20 +188,26 @@ def polygraphy_check(bundle: Path, threads: int = 2, trt: bool | None = None) ->
 
 
 def format_report(report: dict) -> list[str]:
-    """One line per role/backend/output: errors, tolerance, verdict."""
-    lines = []
+    """One line per role/backend/output (its errors, bound, verdict); the last line the verdict, naming
+    every output that failed, its value and the bound."""
+    lines, failures = [], []
     for c in report["checks"]:
         lines.append(f"polygraphy {c['role']}: {c['backend']} ({c['graph']}, {c['precision']}) vs {c['vs']} "
-                     f"→ {c['verdict']}")
+                     f"({c['vs_precision']}) → {c['verdict']}   [rule: {c['rule']}]")
         for name, o in c["outputs"].items():
             verdict = "pass" if o["pass"] else "FAIL"
+            why = [o["error"]] if "error" in o else o.get("failed", [])
+            failures += [f"{c['role']} {c['backend']} {name}: {w}" for w in why]
             if "error" in o:
                 lines.append(f"  {name:<18} {o['error']} → {verdict}")
                 continue
-            line = (f"  {name:<18} max|Δ| {o['max_abs']:.3e}  max rel {o['max_rel']:.3e}  mean|Δ| {o['mean_abs']:.3e}"
-                    f"  tol: {o['stat']} atol {o['atol']:g} rtol {o['rtol']:g}")
+            line = f"  {name:<18} max|Δ| {o['max_abs']:.3e}"
+            if "bound" in o:
+                line += f" (bound {o['bound']:.3e} = {o['peak']:g} × max|ref| {o['ref_peak']:.3g})"
+            line += f"  mean|Δ| {o['mean_abs']:.3e}"
             if "cosine" in o:
                 line += f"  cosine {o['cosine']:.4f} (min {o['min_cosine']:g})"
             lines.append(f"{line} → {verdict}")
-    lines.append(f"polygraphy: {report['verdict']}")
+    more = f" (and {len(failures) - SHOWN} more above)" if len(failures) > SHOWN else ""
+    lines.append(f"polygraphy: {report['verdict']}" + (" — " + "; ".join(failures[:SHOWN]) + more if failures else ""))
     return lines

@@ -8,7 +8,8 @@ Every refusal is an OpenAI-style error body `{"error": {"message", "type", "para
 4xx status (503 when every slot and the queue are full); an error inside one request never stops the
 server, answers 500 with a generic body (the details go to the server's log, never to the client) and
 is counted in `specrt_requests_total` like every other status. A client that disconnects is cancelled:
-its KV slot is free at the scheduler's next step.
+its KV slot (or its place in the queue) is free at the scheduler's next step, and it counts as status
+499 and in `specrt_cancelled_total`; a stop sequence ends a request normally (finish reason "stop").
 
 The event loop never does long work: text is bounded by characters before it is tokenized (a text
 longer than context × the longest token cannot fit) and tokenized on a worker thread; bodies, Host
@@ -34,7 +35,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.logits import check_logit_bias
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.serving import guards
-from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest
+from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest, describe_errors
 from specrt.runtime.serving.responses import chat_logprobs, completion_logprobs, usage
 from specrt.runtime.serving.scheduler import Handle, Scheduler, SchedulerFull
 from specrt.runtime.text import TextAssembler
@@ -65,23 +66,14 @@ def _error(status: int, message: str, param=None, code=None, kind="invalid_reque
     return JSONResponse(guards.error_payload(message, kind, param, code), status_code=status, headers=headers)
 
 
-def _describe(errors) -> tuple[str, str | None]:
-    """One readable line from pydantic's errors, and the first offending field."""
-    parts, seen = [], {}
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})", None
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        field = loc[0] if loc else "body"  # one message per field (a union reports each alternative)
-        if field not in seen and len(seen) < 5:
-            seen[field] = True
-            parts.append(f"{field}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request body", next(iter(seen), None)
+CLIENT_CLOSED = "499"  # nginx's status for a client that went away before its response was complete
 
 
 class Counted:
-    """Outermost ASGI middleware: counts every response by endpoint and status, and turns an exception
-    no handler took into a generic 500 (logged with its traceback)."""
+    """Outermost ASGI middleware: counts every request by endpoint and status, and turns an exception
+    no handler took into a generic 500 (logged with its traceback). A client that went away before its
+    response was complete (mid-body, while generating, mid-stream) counts as 499, not as the status
+    of a response it never read, nor as a server error."""
 
     def __init__(self, app, metrics, known: set[str]):
         self.app, self.metrics, self.known = app, metrics, known
@@ -89,16 +81,25 @@ class Counted:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = None
+        status, complete, gone = None, False, False
 
         async def watched(message):
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
+        async def listened():
+            nonlocal gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not complete:
+                gone = True
+            return message
+
         try:
-            await self.app(scope, receive, watched)
+            await self.app(scope, listened, watched)
         except Exception:
             log.exception("internal error on %s %s", scope.get("method"), scope["path"])
             if status is None:
@@ -106,7 +107,7 @@ class Counted:
                 await guards.send_error(send, 500, "internal server error", kind="server_error")
         finally:
             path = scope["path"] if scope["path"] in self.known else "other"
-            self.metrics.requests.labels(path, str(status or 500)).inc()
+            self.metrics.requests.labels(path, CLIENT_CLOSED if gone else str(status or 500)).inc()
 
 
 def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 256,
@@ -119,7 +120,9 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
     max_chars = capacity * tokenizer.max_token_bytes
     exactness = {"lossless": gen.lossless, "exec_mode": gen.exactness.mode.name,
                  "batch_invariant": gen.exactness.lossless, "reason": gen.exactness.reason,
-                 "drafter": scheduler.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots}
+                 "drafter": scheduler.drafter_name, "requested_drafter": gen.requested_drafter, "slots": gen.slots,
+                 # what greedy responses equal (sampled ones follow its distribution); null where not lossless
+                 "exact_to": gen.reference.to_dict() if gen.lossless else None}
 
     @asynccontextmanager
     async def lifespan(app):
@@ -138,7 +141,7 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
-        message, param = _describe(exc.errors())
+        message, param = describe_errors(exc.errors())
         return _error(400, message, param)
 
     @app.exception_handler(ApiError)
@@ -232,8 +235,8 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
         watcher = asyncio.create_task(_watch(request, handle))
         try:
             async for tokens in handle:
-                if text.feed(tokens) is None:  # a stop sequence: done
-                    handle.cancel()
+                if text.feed(tokens) is None:  # a stop sequence: done (a normal finish, not a cancellation)
+                    handle.stop()
                     break
             text.flush()
         except Exception:
@@ -283,7 +286,7 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
             async for tokens in handle:
                 piece = text.feed(tokens)
                 if piece is None:  # a stop sequence
-                    handle.cancel()
+                    handle.stop()
                     if text.last_piece:
                         yield chunk(text.last_piece, None)
                     break

@@ -60,7 +60,10 @@ def _prompts(spec: str | None, per_category: int | None):
                    "run, as peers specrt-MODE-DRAFTER: what the mode in use costs, and whether MODE is exact here.")
 @click.option("--backend-baseline", "backend_baseline", type=click.Choice(["ort", "ort-fused"]), default=None,
               help="Also run plain and every drafter on this backend (e.g. ort-fused, attention fused into "
-                   "GroupQueryAttention) in the same run, in its own process, as peers specrt-BACKEND-DRAFTER.")
+                   "GroupQueryAttention) in the same run, in its own process, as peers specrt-BACKEND-DRAFTER. "
+                   "Another backend is another reference: its drafters are held to its own plain run, and where "
+                   "its plain output differs from this backend's the table says \"different reference (d/n "
+                   "differ)\".")
 @click.option("--trees", type=UTF8, default=None,
               help="Comma-separated tree shapes to compare for every drafter (chain, default, wide, binary, FILE). "
                    "Default: just --tree.")

@@ -49,7 +49,8 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
         stats["detail"] = {k: v for k, v in s.items() if k not in stats}
         click.echo(json.dumps({"text": text, "token_ids": result.token_ids, "drafter": result.drafter,
                                "finish_reason": result.finish_reason, "lossy": result.lossy,
-                               "lossless": result.lossless, "exactness": exactness_summary(gen), "stats": stats,
+                               "lossless": result.lossless, "exactness": exactness_summary(gen, result, sampling),
+                               "stats": stats,
                                **({"auto": gen.last_pick.to_dict()} if gen.choice is not None else {})}))
     else:
         stream = TextStream(gen, ids, max_new_tokens, sampling)
@@ -73,8 +74,14 @@ def _label(gen, result) -> str:
     return result.drafter
 
 
-def exactness_summary(gen) -> dict:
-    """What --json says about exactness: the mode, the verdict and why (no per-check detail)."""
+def exactness_summary(gen, result=None, sampling=None) -> dict:
+    """What --json says about exactness: the mode, the verdict and why (no per-check detail), and
+    `exact_to`, the reference the output equals (greedy) or follows (sampling): plain decoding of this
+    target graph on this backend in this mode (runtime/reference.py); null where the output is not
+    lossless (a lossy rule, or speculation where no mode is exact)."""
     e = gen.exactness
+    lossless = gen.lossless if result is None else result.lossless
+    greedy = sampling is None or sampling.greedy
     return {"mode": e.mode.name, "batch_invariant": e.lossless, "reason": e.reason, "source": e.source,
-            "requested_drafter": gen.requested_drafter}
+            "auto_mode": e.record["chosen"], "forced_by": e.forced_by, "requested_drafter": gen.requested_drafter,
+            "exact_to": gen.reference.to_dict(greedy) if lossless else None}

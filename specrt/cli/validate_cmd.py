@@ -18,7 +18,7 @@ from specrt.errors import SpecrtError
               help="Speculative sampling vs the exact target distribution (chi-square, α=1e-3) on this bundle.")
 @click.option("--polygraphy", is_flag=True,
               help="Polygraphy: ONNX Runtime outputs vs the PyTorch reference saved at export (and TensorRT vs "
-                   "ONNX Runtime where engines exist), with tolerances by precision.")
+                   "ONNX Runtime where engines exist), held to bounds by precision (engines/trt/polygraphy_rules.py).")
 @click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
 @click.option("--tree", type=UTF8, default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
