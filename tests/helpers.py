@@ -106,3 +106,15 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
     return folder
+
+
+def built_copy(bundle: Path, dest: Path) -> Path:
+    """`dest`: a copy of `bundle` after `specrt build`'s ONNX Runtime step (it writes the ort-fused graphs)."""
+    from specrt.engines.ort_cpu.build import build_ort
+    from specrt.schema.manifest import Manifest
+
+    shutil.copytree(bundle, dest)
+    manifest = Manifest.load(dest)
+    manifest.artifacts["onnxruntime"] = build_ort(dest, manifest, threads=1)
+    manifest.save(dest)
+    return dest

@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import pytest
 
-from specrt.engines.ort_cpu.build import build_ort
 from specrt.engines.ort_cpu.fuse import fuse_attention
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.engines.registry import BACKENDS, fused_graph
@@ -25,6 +24,7 @@ from specrt.runtime.drafters import Proposal
 from specrt.runtime.tree import Tree
 from specrt.schema.manifest import Manifest
 from specrt.tools.roofline import op_counts
+from tests.helpers import built_copy
 
 CAPACITY = 64
 
@@ -32,11 +32,7 @@ CAPACITY = 64
 @pytest.fixture(scope="module")
 def built(tiny_bundle, tmp_path_factory):
     """A copy of the tiny bundle after `specrt build`'s ONNX Runtime step (which writes the fused graphs)."""
-    bundle = tmp_path_factory.mktemp("fused") / "bundle"
-    shutil.copytree(tiny_bundle, bundle)
-    manifest = Manifest.load(bundle)
-    manifest.artifacts["onnxruntime"] = build_ort(bundle, manifest, threads=1)
-    manifest.save(bundle)
+    bundle = built_copy(tiny_bundle, tmp_path_factory.mktemp("fused") / "bundle")
     return bundle, Manifest.load(bundle)
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from types import SimpleNamespace
 
 import httpx
@@ -24,6 +23,7 @@ from specrt.runtime.generate import Generator
 from specrt.runtime.reference import Reference, same_reference
 from specrt.tools.bench import Prompt, format_table, run_bench, summarize
 from specrt.tools.report import engines_section
+from tests.helpers import built_copy
 
 PROMPTS = [Prompt("a", "code", "a b c a b c a b c a b"), Prompt("b", "chat", "one two one two one two")]
 
@@ -31,15 +31,7 @@ PROMPTS = [Prompt("a", "code", "a b c a b c a b c a b"), Prompt("b", "chat", "on
 @pytest.fixture(scope="module")
 def built(tiny_bundle, tmp_path_factory):
     """A copy of the tiny bundle after `specrt build`'s ONNX Runtime step (it writes the ort-fused graphs)."""
-    from specrt.engines.ort_cpu.build import build_ort
-    from specrt.schema.manifest import Manifest
-
-    bundle = tmp_path_factory.mktemp("refs") / "bundle"
-    shutil.copytree(tiny_bundle, bundle)
-    manifest = Manifest.load(bundle)
-    manifest.artifacts["onnxruntime"] = build_ort(bundle, manifest, threads=1)
-    manifest.save(bundle)
-    return bundle
+    return built_copy(tiny_bundle, tmp_path_factory.mktemp("refs") / "bundle")
 
 
 def generate_json(bundle, *extra) -> dict:
