@@ -7,7 +7,8 @@
     trt         TensorRT engines built by `specrt build --backend trt`; needs `engine_path` and
                 `max_window` (see `trt_options`), batch 1, KV capacity as built
     ort-fused   ONNX Runtime on the CPU, each layer's attention one GroupQueryAttention node
-                (engines/ort_cpu/fuse.py, written by `specrt build`): faster, verifies chains only, batch 1
+                (engines/ort_cpu/fuse.py, written by `specrt build`): faster, verifies chains only; batches
+                sequences one row each (a window of several rows runs at batch 1)
 
 Every factory takes (path, cfg, capacity, threads, batch, spin) plus its own keyword options.
 """
@@ -65,6 +66,9 @@ class Backend:
     pinned_capacity: bool = False  # True: built for one KV capacity (TensorRT engines)
     graph_file: Callable[..., Path] | None = None  # (bundle, manifest, role) -> the ONNX file it runs
     trees: bool = True  # False: tree rows are not bitwise those of chains (runtime verifies chains only)
+    # False: a pass over several sequences takes one new row per sequence (plain decoding of each); a
+    # window of several rows (a draft, a prompt chunk) runs at batch 1 (the serving scheduler plans so)
+    batch_windows: bool = True
 
 
 BACKENDS: dict[str, Backend] = {
@@ -73,9 +77,11 @@ BACKENDS: dict[str, Backend] = {
     "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
     "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",
                    lambda *a: trt_options(*a), max_batch=1, pinned_capacity=True),
-    # GroupQueryAttention takes several new rows after a cached prefix only at batch 1
-    "ort-fused": Backend(_ort, "ONNX Runtime on the CPU, attention fused (GroupQueryAttention): chains only, batch 1",
-                         graph_file=lambda *a: fused_graph(*a), max_batch=1, trees=False),
+    # GroupQueryAttention takes several new rows after a cached prefix only at batch 1, and one row per
+    # sequence at any batch
+    "ort-fused": Backend(_ort, "ONNX Runtime on the CPU, attention fused (GroupQueryAttention): chains only; "
+                         "batches one row per sequence", graph_file=lambda *a: fused_graph(*a), trees=False,
+                         batch_windows=False),
 }
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 

@@ -40,6 +40,9 @@ class Exactness:
     record: dict  # fingerprint, graph, every measured mode's checks, the mode auto chooses
     source: str  # "bundle record", "machine cache" or "measured now"
     forced_by: str = ""  # "" (auto: the measured choice), "option" or "SPECRT_EXEC_MODE"
+    # batched passes are exact in `mode` (the batch checks: windows where the backend batches windows, one
+    # row per sequence where it does not), whether or not drafted windows are (`lossless`)
+    plain_batches: bool = False
 
     def summary(self) -> str:
         if self.lossless:
@@ -47,7 +50,8 @@ class Exactness:
         return f"NOT exact: {self.reason}"
 
     def to_dict(self) -> dict:
-        return {"lossless": self.lossless, "mode": self.mode.name, "reason": self.reason, "source": self.source,
+        return {"lossless": self.lossless, "plain_batches": self.plain_batches,
+                "mode": self.mode.name, "reason": self.reason, "source": self.source,
                 "auto_mode": self.record["chosen"], "forced_by": self.forced_by,
                 "fingerprint": self.record["fingerprint"],
                 "measured": self.record["measured"]}
@@ -66,23 +70,40 @@ def describe_measured(measured: dict) -> str:
                      for name, m in measured.items())
 
 
-def judge(record: dict, requested: str, source: str) -> Exactness:
-    """The mode to run and its verdict, from a record of measurements."""
+def judge(record: dict, requested: str, source: str, batched: bool = False) -> Exactness:
+    """The mode to run and its verdict, from a record of measurements. `batched`: the caller batches
+    sequences (serving). Where no mode is invariant in every check, auto takes, for a batched caller, the
+    first mode that batches plain decoding exactly (speculation then off), else the first mode whose
+    drafted windows are exact at batch 1 (batching then off)."""
+    from specrt.runtime.invariance import SPECULATION, exact_for, plain_batches
+
     chosen, measured = record["chosen"], record["measured"]
     where = Fingerprint.from_dict(record["fingerprint"]).describe()
     if requested == "auto":
         if chosen is not None:
-            return Exactness(exec_mode(chosen), True, "", record, source)
+            return Exactness(exec_mode(chosen), True, "", record, source, plain_batches=True)
+        batches = [n for n, m in measured.items() if plain_batches(m)]
+        if batched and batches:
+            return Exactness(exec_mode(batches[0]), False,
+                             f"drafted verify passes are not batch-invariant in mode {batches[0]} on {where}, which "
+                             f"batches plain decoding exactly (max |Δlogits| {describe_measured(measured)})",
+                             record, source, plain_batches=True)
+        single = [n for n, m in measured.items() if exact_for(m, SPECULATION)]
+        if single:
+            return Exactness(exec_mode(single[0]), True, "", record, source,
+                             plain_batches=plain_batches(measured[single[0]]))
         return Exactness(exec_mode("direct"), False,
                          f"no execution mode makes verify passes batch-invariant on {where} "
                          f"(max |Δlogits| {describe_measured(measured)})",
                          record, source)
     mode = exec_mode(requested)
-    if measured[requested]["invariant"]:
-        return Exactness(mode, True, "", record, source)
+    m = measured[requested]
+    if m["invariant"] or (not batched and exact_for(m, SPECULATION)):
+        return Exactness(mode, True, "", record, source, plain_batches=m["invariant"] or plain_batches(m))
     better = f"; --exec-mode auto would run {chosen}" if chosen else ""
     return Exactness(mode, False, f"mode {requested} is not batch-invariant on {where} "
-                     f"(max |Δlogits| {describe_measured({requested: measured[requested]})}){better}", record, source)
+                     f"(max |Δlogits| {describe_measured({requested: m})}){better}", record, source,
+                     plain_batches=plain_batches(m))
 
 
 def measure_record(bundle: Path, manifest, threads: int, backend: str, capacity: int | None = None,
@@ -100,10 +121,11 @@ def measure_record(bundle: Path, manifest, threads: int, backend: str, capacity:
         decoder = open_decoder(backend, bundle, manifest, "target", capacity, threads, batch)
     else:
         decoder = make_decoder(backend, graph, cfg, invariance.ROWS + MAX_PAD_ROWS, threads, batch)
-    chosen, measured = invariance.choose(decoder, cfg.vocab_size, trees=entry.trees)
+    how = {"trees": entry.trees, "batch_windows": entry.batch_windows}
+    chosen, measured = invariance.choose(decoder, cfg.vocab_size, **how)
     for name in modes or ():
         if name not in measured:
-            measured[name] = invariance.measure(decoder, cfg.vocab_size, exec_mode(name), trees=entry.trees)
+            measured[name] = invariance.measure(decoder, cfg.vocab_size, exec_mode(name), **how)
     fp = Fingerprint.here(threads, backend)
     return {"fingerprint": fp.to_dict(), "key": fp.key, "graph": _relative(graph, bundle), "chosen": chosen,
             "measured": measured, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -144,23 +166,39 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def resolve(bundle: Path, manifest, threads: int, backend: str = "ort", requested: str = "auto",
-            capacity: int | None = None) -> Exactness:
-    """The execution mode and exactness verdict for running `bundle`'s target here (see the module doc)."""
+            capacity: int | None = None, batched: bool = False) -> Exactness:
+    """The execution mode and exactness verdict for running `bundle`'s target here (see the module doc);
+    `batched`: for a caller that batches sequences (`judge`)."""
     if requested != "auto":
         exec_mode(requested)  # a bad name fails before anything is measured
     forced = pick("exec_mode", requested)
-    found = _resolve(bundle, manifest, threads, backend, forced.value, capacity)
+    found = _resolve(bundle, manifest, threads, backend, forced.value, capacity, batched)
     return dataclasses.replace(found, forced_by=forced.forced_by)
 
 
-def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str, capacity: int | None) -> Exactness:
+def usable(record: dict, backend: str, requested: str) -> bool:
+    """Does `record` answer for `requested` on `backend`: that mode measured (auto: any), and the batch
+    check made wherever the backend batches sequences (a record from before it did is measured again)?"""
+    from specrt.engines.registry import backend_entry
+    from specrt.runtime import invariance
+
+    measured = record.get("measured", {})
+    if requested != "auto" and requested not in measured:
+        return False
+    if backend_entry(backend).max_batch >= len(invariance.BATCH):
+        return all(m.get("batch_kv") is not None for m in measured.values())
+    return True
+
+
+def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str, capacity: int | None,
+             batched: bool = False) -> Exactness:
     from specrt.engines.registry import graph_path
 
     fp = Fingerprint.here(threads, backend)
     graph = graph_path(backend, bundle, manifest, "target")
     record = manifest.artifacts.get(RECORDS, {}).get(record_key({"key": fp.key, "graph": _relative(graph, bundle)}))
-    if record is not None and (requested == "auto" or requested in record["measured"]):
-        return judge(record, requested, "bundle record")
+    if record is not None and usable(record, backend, requested):
+        return judge(record, requested, "bundle record", batched)
     try:
         cache = cache_path(bundle, manifest, graph, fp)
     except OSError as e:
@@ -170,12 +208,12 @@ def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str,
             record = json.loads(cache.read_text())
         except (OSError, json.JSONDecodeError):
             record = None  # a damaged cache is measured again
-        if record is not None and (requested == "auto" or requested in record.get("measured", {})):
-            return judge(record, requested, "machine cache")
+        if record is not None and usable(record, backend, requested):
+            return judge(record, requested, "machine cache", batched)
     extra = [] if requested == "auto" else [requested]
     record = measure_record(bundle, manifest, threads, backend, capacity, extra, graph)
     try:
         _write_atomic(cache, json.dumps(record, indent=1))
     except OSError:
         pass  # a read-only home: measured again next time, still correct
-    return judge(record, requested, "measured now")
+    return judge(record, requested, "measured now", batched)

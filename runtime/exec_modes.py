@@ -9,8 +9,11 @@ at least `min_rows` rows, keeps every call on the GEMM path:
     window   [x, d1]          ─► [x, d1, pad]         pad: token 0 at the root's position, sees only
     logits   rows [0, 1]      ─► rows [0, 1, 1]       itself; its KV row lies past the window and is
                                                       overwritten by the next pass
-Padding rows are cut off the outputs, so callers never see them. Which mode a machine needs is
-measured there (runtime/invariance.py); the modes are data, tried cheapest first.
+Padding rows are cut off the outputs, so callers never see them. What the kernels see is the pass's
+rows over all its sequences (batch × window), so a pass over several sequences that already has
+`min_rows` rows is not padded (a batch of single rows stays a batch of single rows, the only batch
+GroupQueryAttention takes after a prefix). Which mode a machine needs is measured there
+(runtime/invariance.py); the modes are data, tried cheapest first.
 """
 
 from __future__ import annotations
@@ -44,20 +47,21 @@ def exec_mode(name: str) -> ExecMode:
 
 
 def pad_pass(min_rows: int, input_ids, position_ids, past_len, tree_mask, logits_index):
-    """The pass's inputs with the window padded to `min_rows` rows and `logits_index` to `min_rows`
-    entries (repeating its last row); unchanged when already that large."""
+    """The pass's inputs with each sequence's window and `logits_index` padded (repeating its last row)
+    so that the pass has at least `min_rows` rows over all its sequences; unchanged when it has."""
     b, t = input_ids.shape
-    if t < min_rows:
-        extra = min_rows - t
+    rows = -(-min_rows // b)  # per sequence
+    if t < rows:
+        extra = rows - t
         input_ids = np.concatenate([input_ids, np.zeros((b, extra), input_ids.dtype)], axis=1)
         position_ids = np.concatenate([position_ids, np.repeat(position_ids[:, :1], extra, axis=1)], axis=1)
-        mask = np.zeros((b, min_rows, min_rows), bool)
+        mask = np.zeros((b, rows, rows), bool)
         mask[:, :t, :t] = tree_mask
-        mask[:, np.arange(t, min_rows), np.arange(t, min_rows)] = True  # padding rows see only themselves
+        mask[:, np.arange(t, rows), np.arange(t, rows)] = True  # padding rows see only themselves
         tree_mask = mask
     r = logits_index.shape[1]
-    if r < min_rows:
-        logits_index = np.concatenate([logits_index, np.repeat(logits_index[:, -1:], min_rows - r, axis=1)], axis=1)
+    if r < rows:
+        logits_index = np.concatenate([logits_index, np.repeat(logits_index[:, -1:], rows - r, axis=1)], axis=1)
     return input_ids, position_ids, past_len, tree_mask, logits_index
 
 
@@ -72,11 +76,11 @@ class ShapedDecoder:
         return getattr(self.inner, name)
 
     def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict:
-        t, r = input_ids.shape[1], logits_index.shape[1]
-        if t >= self.mode.min_rows and r >= self.mode.min_rows:
+        b, t, r = input_ids.shape[0], input_ids.shape[1], logits_index.shape[1]
+        if b * t >= self.mode.min_rows and b * r >= self.mode.min_rows:  # the kernels' M: batch × rows
             return self.inner.run_all(input_ids, position_ids, past_len, tree_mask, logits_index, **extra)
         padded = pad_pass(self.mode.min_rows, input_ids, position_ids, past_len, tree_mask, logits_index)
-        extra = {k: _pad_rows(v, self.mode.min_rows) for k, v in extra.items()}
+        extra = {k: _pad_rows(v, padded[0].shape[1]) for k, v in extra.items()}
         outs = self.inner.run_all(*padded, **extra)
         return {k: v[:, :r] if k == "logits" else v[:, :t] for k, v in outs.items()}
 

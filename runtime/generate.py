@@ -82,10 +82,11 @@ class Generator:
         self.eos = set(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
-        self.exactness: Exactness = resolve(self.bundle, self.manifest, threads, backend, exec_mode, self.capacity)
+        self.exactness: Exactness = resolve(self.bundle, self.manifest, threads, backend, exec_mode, self.capacity,
+                                            batched=int(slots) > 1)
         self.allow_inexact = allow_inexact
         self.slots = int(slots)
-        if self.slots > 1 and not self.exact_batches:
+        if self.slots > 1 and not (self.exactness.plain_batches or allow_inexact):
             self.note(f"note: batching {self.slots} sequences per pass is not exact here "
                       f"({self.exactness.reason}); serving one sequence at a time. --allow-inexact batches anyway.")
             self.slots = 1
@@ -258,14 +259,16 @@ class Generator:
 
     @property
     def exact_batches(self) -> bool:
-        """May passes carry more than plain decoding's single row (drafts, several sequences)?"""
-        return self.exactness.lossless or self.allow_inexact
+        """May passes carry drafts (at batch 1, and in batched passes where this generator batches)?"""
+        batches = self.slots == 1 or self.exactness.plain_batches
+        return (self.exactness.lossless and batches) or self.allow_inexact
 
     @property
     def lossless(self) -> bool:
         """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
         follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
-        return self.exactness.lossless or (self.drafter_name == "plain" and self.slots == 1)
+        batches = self.slots == 1 or self.exactness.plain_batches
+        return batches and (self.exactness.lossless or self.drafter_name == "plain")
 
     @property
     def reference(self) -> Reference:

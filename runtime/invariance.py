@@ -7,12 +7,15 @@ random tokens, under an execution mode (runtime/exec_modes.py), and reports max 
     chain   prefill 260 tokens, then a window of k (2..17)     vs  plain: one pass per token
     tree    a window with branches                              vs  plain along each root-to-leaf path
     batch   one ragged pass over 3 KV slots, each at its own    vs  each slot decoded alone
-            past_len, windows padded to the longest (serving)
+            past_len, windows padded to the longest (serving;
+            one row each where the backend batches no windows)
     kv      the pass after each window, reading the KV rows     vs  the same pass after plain decoding
             the window wrote
 
 A mode is invariant when every check is exactly 0.0. `choose` measures `direct` and then the
-padded modes, cheapest first, and returns every measurement plus the first invariant mode.
+padded modes, cheapest first, and returns every measurement plus the first invariant mode. The batch
+check's kv part is also kept alone (`batch_kv`): a mode whose batch and batch_kv checks are 0 batches
+plain decoding exactly even where its windows are not (`plain_batches`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ PROMPT = 12
 LONG_PROMPT = 260  # the chain check's prefix crosses the 128/256-column blocks of attention kernels
 ROWS = LONG_PROMPT + max(CHAINS) + 2  # KV rows per slot the checks use
 CHECKS = ("chain", "tree", "batch", "kv")
+SPECULATION = ("chain", "tree", "chain_kv")  # what drafted windows at batch 1 need
+BATCHES = ("batch", "batch_kv")  # what batched plain decoding needs
 
 
 class _Probe:
@@ -90,47 +95,65 @@ def _tree(p: _Probe, rng, vocab: int) -> float:
     return worst
 
 
-def _batch(p: _Probe, rng, vocab: int) -> tuple[float, float]:
-    prompts = [rng.integers(0, vocab, n) for n, _ in BATCH]
-    conts = [rng.integers(0, vocab, m + 1) for _, m in BATCH]
+def _batch(p: _Probe, rng, vocab: int, windows: bool = True) -> tuple[float, float]:
+    batch = BATCH if windows else tuple((n, 1) for n, _ in BATCH)
+    prompts = [rng.integers(0, vocab, n) for n, _ in batch]
+    conts = [rng.integers(0, vocab, m + 1) for _, m in batch]
     for s, pr in enumerate(prompts):  # admission: each prompt prefilled alone in its slot
         p.prefill(s, pr)
     want = [p.plain(s, len(pr), c) for s, (pr, c) in enumerate(zip(prompts, conts, strict=True))]
-    plans = [Pass(c[:m], len(pr), Tree.chain(m - 1), np.arange(m)) for pr, c, (_, m) in zip(prompts, conts, BATCH,
+    plans = [Pass(c[:m], len(pr), Tree.chain(m - 1), np.arange(m)) for pr, c, (_, m) in zip(prompts, conts, batch,
                                                                                               strict=True)]
     got = p.ragged(plans)
-    worst = max(_diff(got[s, :m], want[s][:m]) for s, (_, m) in enumerate(BATCH))
+    worst = max(_diff(got[s, :m], want[s][:m]) for s, (_, m) in enumerate(batch))
     nxt = [Pass(c[m : m + 1], len(pr) + m, Tree.chain(0), np.arange(1))
-           for pr, c, (_, m) in zip(prompts, conts, BATCH, strict=True)]
+           for pr, c, (_, m) in zip(prompts, conts, batch, strict=True)]
     got = p.ragged(nxt)
-    kv = max(_diff(got[s, 0], want[s][m]) for s, (_, m) in enumerate(BATCH))
+    kv = max(_diff(got[s, 0], want[s][m]) for s, (_, m) in enumerate(batch))
     return worst, kv
 
 
-def measure(decoder, vocab: int, mode: ExecMode, seed: int = 0, trees: bool = True) -> dict:
+def measure(decoder, vocab: int, mode: ExecMode, seed: int = 0, trees: bool = True,
+            batch_windows: bool = True) -> dict:
     """Max |Δlogits| of every check under `mode` on `decoder` (KV rows ≥ ROWS per slot; the batch
     check needs 3 slots and is None on a batch-1 decoder; the tree check is None for a backend that
-    verifies chains only, `trees=False`)."""
+    verifies chains only, `trees=False`; `batch_windows=False`: the backend batches one row per
+    sequence, and so does the batch check). A check the backend refuses to run in this mode (a padded
+    batch it cannot take) counts as not invariant (inf)."""
     p = _Probe(shaped(decoder, mode))
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     chain, kv = _chain(p, rng, vocab)
-    out = {"chain": chain, "tree": _tree(p, rng, vocab) if trees else None, "batch": None, "kv": kv}
+    out = {"chain": chain, "tree": _tree(p, rng, vocab) if trees else None, "batch": None, "kv": kv,
+           "chain_kv": kv, "batch_kv": None}
     if decoder.batch >= len(BATCH):
-        out["batch"], batch_kv = _batch(p, rng, vocab)
-        out["kv"] = max(kv, batch_kv)
+        try:
+            out["batch"], batch_kv = _batch(p, rng, vocab, batch_windows)
+        except Exception:  # noqa: BLE001 — the backend's own refusal of this shape, whatever its type
+            out["batch"] = batch_kv = float("inf")
+        out["kv"], out["batch_kv"] = max(kv, batch_kv), batch_kv
     out["invariant"] = all(out[c] in (None, 0.0) for c in CHECKS)
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
 
+def exact_for(measurement: dict, checks: tuple[str, ...]) -> bool:
+    """Are `checks` of one mode's measurement all 0.0 (a check not made, None, counts as passed)?"""
+    return all(measurement.get(c) in (None, 0.0) for c in checks)
+
+
+def plain_batches(measurement: dict) -> bool:
+    """Does the mode batch plain decoding exactly (its batch checks made, and 0.0)?"""
+    return measurement.get("batch") is not None and exact_for(measurement, BATCHES)
+
+
 def choose(decoder, vocab: int, modes: list[ExecMode] | None = None, seed: int = 0,
-           trees: bool = True) -> tuple[str | None, dict]:
+           trees: bool = True, batch_windows: bool = True) -> tuple[str | None, dict]:
     """(the first invariant mode, or None; each measured mode's checks). Modes are tried in order
     (default: cheapest first) until one is invariant."""
     measured = {}
     for mode in modes or list(MODES.values()):
-        measured[mode.name] = measure(decoder, vocab, mode, seed, trees)
+        measured[mode.name] = measure(decoder, vocab, mode, seed, trees, batch_windows)
         if measured[mode.name]["invariant"]:
             return mode.name, measured
     return None, measured

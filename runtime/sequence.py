@@ -43,6 +43,7 @@ class Pass:
     proposal: Proposal | None = None
     depth: int = 0  # draft depth limit chosen for this step
     propose_seconds: float = 0.0
+    capped: bool = False  # the scheduler capped this step's depth (not the adaptive controller's choice)
 
 
 PREFILL_CHUNK = 64  # prompt rows per prefill pass (see Sequence.prefill_passes)
@@ -191,8 +192,10 @@ class Sequence:
         outs = run(p)  # 2. verify
         return self.commit(p, outs["logits"][0], outs, time.perf_counter() - t0)  # 3. accept, 4. commit
 
-    def plan(self) -> Pass | None:
-        """1. propose: this step's draft as the verify window, or None once the sequence is finished."""
+    def plan(self, depth_cap: int | None = None) -> Pass | None:
+        """1. propose: this step's draft as the verify window, or None once the sequence is finished.
+        `depth_cap`: draft at most that deep this step (the serving scheduler's 0: a plain row in a
+        batched pass); a capped step teaches the adaptive controller nothing."""
         if self.finish is None and len(self.tokens) > self.capacity:  # no KV row left for the root
             self.finish = "length"
         if self.finish is not None:
@@ -201,7 +204,10 @@ class Sequence:
         if self.node_limit is not None:
             max_nodes = min(max_nodes, self.node_limit)
         max_depth = self.max_new_tokens - len(self.out) - 1  # the bonus token needs one more
-        depth = min(self.control.choose().depth, max_depth) if self.control else max_depth
+        capped = depth_cap is not None and depth_cap < max_depth
+        if capped:
+            max_depth = depth_cap
+        depth = min(self.control.choose().depth, max_depth) if self.control and not capped else max_depth
         with Timer(self.stats, "propose") as t:
             prop = Proposal()  # depth 0 (adaptive chose a plain step, or one token is left): no draft
             if depth > 0:
@@ -211,7 +217,7 @@ class Sequence:
                 prop = prop.first_path()
             tree = prop.tree()
             window = np.asarray([self.tokens[-1], *prop.tokens], np.int64)
-        return Pass(window, len(self.tokens) - 1, tree, np.arange(tree.size), prop, depth, t.elapsed)
+        return Pass(window, len(self.tokens) - 1, tree, np.arange(tree.size), prop, depth, t.elapsed, capped)
 
     def commit(self, p: Pass, logits: np.ndarray, outs: dict, verify_seconds: float = 0.0) -> list[int]:
         """3. accept and 4. commit, after the verify pass over `p` (`logits` [T, V] of its window rows,
@@ -271,7 +277,7 @@ class Sequence:
     def _record(self, p: Pass, accepted: int, verify_seconds: float) -> None:
         """Per-step statistics; the adaptive controller learns what this depth bought and cost."""
         self.stats.record(len(p.proposal), accepted)
-        if self.control:
+        if self.control and not p.capped:
             self.stats.record_depth(p.depth)
             self.control.update(p.depth, p.tree.depth[1:], accepted, p.propose_seconds, verify_seconds)
 

@@ -12,6 +12,11 @@ One thread owns the target graph. Each step it
      `past_len` in its own KV slot (padding rows see only themselves and are never read),
   6. lets every sequence accept and commit its own number of tokens (ragged acceptance).
 
+On a backend that batches one row per sequence (`ort-fused`: GroupQueryAttention), steps 4-5 are one of
+two plans, whichever commits more tokens per second by the measured pass costs (pass_policy.py): ONE
+pass over every decoding slot with a single row each (plain decoding), or one batch-1 drafted pass per
+slot. Speculation thus backs off as the batch fills.
+
 Each sequence runs exactly `runtime/sequence.py`, the code `specrt generate` runs, and the target's
 kernels compute every row of a batched pass as they compute it alone (the bundle's batch-invariance
 check; tests/serving/test_scheduler.py holds served output to single-request output), so a served
@@ -38,6 +43,7 @@ from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import WINDOW_MARGIN, Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
+from specrt.runtime.serving import pass_policy
 from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
 from specrt.runtime.tree import Tree
@@ -128,6 +134,7 @@ class _Slot:
     seq: Sequence | None = None
     prefill: deque[Pass] = field(default_factory=deque)  # prompt chunks not run yet (empty: decoding)
     prefill_seconds: float = 0.0
+    window_rows: int = 1  # rows of this slot's last drafted window (what the next one may cost)
 
     @property
     def decoding(self) -> bool:
@@ -156,6 +163,11 @@ class Scheduler:
         # sequences per verify pass, the latest BATCH_HISTORY (for the bench and tests; bounded: a server
         # runs for days — the metrics' histogram keeps the whole story)
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_HISTORY)
+        from specrt.engines.registry import backend_entry
+
+        self.batch_windows = backend_entry(gen.backend).batch_windows
+        self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()
+        self.plans = {"batched": 0, "drafted": 0}  # steps of each plan (backends without batch windows)
 
     def _new_slot(self, i: int) -> _Slot:
         """KV slot i: slot 0 takes the generator's own drafter and target state (those `generate` uses in
@@ -258,6 +270,8 @@ class Scheduler:
                                          slot.drafter, slot.state, slot.control, max_nodes=WINDOW_MARGIN - 2,
                                          **handle.options)
             slot.prefill, slot.prefill_seconds = deque(slot.seq.prefill_passes()), 0.0
+            slot.window_rows = self.gen.max_depth + 1
+            self.yields.forget(slot.index)
             self.metrics.running.set(self.running)
         except Exception as e:  # this request fails; the scheduler goes on
             self._fail([slot], e)
@@ -317,10 +331,30 @@ class Scheduler:
         handle._finish(None, None)
 
     def _step(self) -> None:
+        live = [s for s in self.slots if s.decoding]
+        if self.batch_windows or len(live) < 2:
+            self._run_step(live)
+            return
+        if all(getattr(s.drafter, "name", "") == "plain" for s in live):
+            plan = "batched"
+        else:
+            batch = live[-1].index - live[0].index + 1
+            plan = pass_policy.choose([s.index for s in live], batch, {s.index: s.window_rows for s in live},
+                                      self.costs, self.yields)
+        self.plans[plan] += 1
+        if plan == "batched":
+            self._run_step(live, depth_cap=0)
+        else:
+            for slot in live:
+                if slot.decoding:
+                    self._run_step([slot])
+
+    def _run_step(self, live: list[_Slot], depth_cap: int | None = None) -> None:
+        """One target pass over the decoding slots `live` (each drafting at most `depth_cap` deep)."""
         plans: dict[int, Pass] = {}
-        for slot in [s for s in self.slots if s.decoding]:
+        for slot in live:
             try:
-                p = slot.seq.plan()
+                p = slot.seq.plan(depth_cap)
             except Exception as e:  # this sequence's drafter failed; the others go on
                 self._fail([slot], e)
                 continue
@@ -343,6 +377,7 @@ class Scheduler:
         self.batch_sizes.append(len(plans))
         self.metrics.step_seconds.observe(seconds)
         self.metrics.batch_size.observe(len(plans))
+        self.costs.observe(hi - lo, max(len(p.window) for p in plans.values()), seconds)
         for b, p in plans.items():
             slot = self.slots[b]
             i = b - lo
@@ -350,7 +385,11 @@ class Scheduler:
                 before = slot.seq.stats.accepted
                 new = slot.seq.commit(p, outs["logits"][i, : len(p.window)], {k: v[i : i + 1] for k, v in outs.items()},
                                       seconds)
-                self.metrics.on_step(len(p.proposal), slot.seq.stats.accepted - before)
+                accepted = slot.seq.stats.accepted - before
+                self.metrics.on_step(len(p.proposal), accepted)
+                if not p.capped:
+                    slot.window_rows = len(p.window)
+                    self.yields.observe(b, accepted + 1)
                 self._deliver(slot, new)
             except Exception as e:
                 self._fail([slot], e)

@@ -86,7 +86,7 @@ def test_a_graph_it_cannot_lower_is_left_alone(built):
 def test_the_backend_needs_a_built_bundle(tiny_bundle):
     with pytest.raises(SpecrtError, match="specrt build"):
         fused_graph(tiny_bundle, Manifest.load(tiny_bundle), "target")
-    assert BACKENDS["ort-fused"].trees is False and BACKENDS["ort-fused"].max_batch == 1
+    assert BACKENDS["ort-fused"].trees is False and BACKENDS["ort-fused"].batch_windows is False
 
 
 def test_a_tree_proposal_is_cut_to_its_top_ranked_path():

@@ -55,8 +55,9 @@ def test_shaped_decoder_returns_the_rows_asked_for(tiny_bundle):
 
 
 class _OneRowDrifts:
-    """A real decoder whose passes drift by `eps` when they have fewer than `below` rows (an M=1 GEMV
-    that rounds differently), or always when `below` is None (no mode can help)."""
+    """A real decoder whose passes drift by `eps` when they have fewer than `below` rows over all their
+    sequences (the kernels' M: an M=1 GEMV that rounds differently), or always when `below` is None (no
+    mode can help)."""
 
     def __init__(self, inner, below: int | None, eps: float = 1e-3):
         self.inner, self.below, self.eps = inner, below, eps
@@ -66,9 +67,9 @@ class _OneRowDrifts:
 
     def run_all(self, input_ids, *args, **kw):
         outs = dict(self.inner.run_all(input_ids, *args, **kw))
-        t = input_ids.shape[1]
-        if self.below is None or t < self.below:
-            outs["logits"] = outs["logits"] + self.eps * t
+        m = input_ids.shape[0] * input_ids.shape[1]
+        if self.below is None or m < self.below:
+            outs["logits"] = outs["logits"] + self.eps * m
         return outs
 
 

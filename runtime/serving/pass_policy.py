@@ -1,0 +1,79 @@
+"""How the scheduler spends a step when the backend batches one row per sequence (`ort-fused`).
+
+GroupQueryAttention takes several new rows after a cached prefix only at batch 1, so a step over n
+decoding sequences is one of two plans:
+
+    batched   ONE pass over all n slots, one row each (plain decoding of each)   n tokens / c(n, 1)
+    drafted   n batch-1 passes, each slot its own draft window of T_s rows        Σ E_s / Σ c(1, T_s)
+
+c(b, t) is the measured seconds of a pass over b sequences of t rows each (`PassCosts`: what this
+scheduler's passes took, smoothed), E_s the tokens a drafted pass commits for slot s (its own
+smoothed record, starting from the server's). The plan with more tokens per second runs. So
+speculation backs off as the batch fills: drafting pays while few sequences decode (a batch-1 pass
+of T rows costs little more than one of a single row), batching once the single-row pass over many
+slots commits more per second than the drafts do. A cost not measured yet is explored first: each plan
+is tried once before the estimates decide. Both plans commit exactly what plain decoding commits (the
+batch check of runtime/invariance.py covers one row per slot), so the choice changes speed only.
+"""
+
+from __future__ import annotations
+
+SMOOTHING = 0.2  # weight of the newest observation in each moving average
+
+
+class PassCosts:
+    """Smoothed seconds of a target pass by shape (sequences, rows per sequence)."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        key = (batch, rows)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+
+    def get(self, batch: int, rows: int) -> float | None:
+        """The measured cost, else one estimated from the nearest measured shape with as many sequences
+        (scaled by rows: a pass costs at most in proportion to its rows), else None."""
+        if (batch, rows) in self.seconds:
+            return self.seconds[(batch, rows)]
+        same = [(t, s) for (b, t), s in self.seconds.items() if b == batch]
+        if not same:
+            return None
+        t, s = min(same, key=lambda ts: abs(ts[0] - rows))
+        return s * max(rows, 1) / t if rows > t else s
+
+
+class Yield:
+    """Smoothed tokens a drafted pass commits, per slot, starting from the server-wide figure."""
+
+    def __init__(self, prior: float = 2.0):
+        self.server = prior
+        self.slot: dict[int, float] = {}
+
+    def observe(self, slot: int, tokens: int) -> None:
+        self.server = (1 - SMOOTHING) * self.server + SMOOTHING * tokens
+        old = self.slot.get(slot, self.server)
+        self.slot[slot] = (1 - SMOOTHING) * old + SMOOTHING * tokens
+
+    def forget(self, slot: int) -> None:
+        """A new sequence in `slot`: it starts from the server-wide figure."""
+        self.slot.pop(slot, None)
+
+    def of(self, slot: int) -> float:
+        return self.slot.get(slot, self.server)
+
+
+def choose(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts, yields: Yield) -> str:
+    """"batched" or "drafted" for a step over decoding `slots` (more than one); `batch`: the sequences the
+    batched pass would span (the KV slot range, idle slots in it included); `window_rows[s]`: the rows
+    slot s's drafted window would have (its last one)."""
+    batched = costs.get(batch, 1)
+    if batched is None:
+        return "batched"  # explore: the single-row pass over these slots has not been measured yet
+    drafted = [costs.get(1, window_rows[s]) for s in slots]
+    if any(c is None for c in drafted):
+        return "drafted"
+    rate_batched = len(slots) / batched
+    rate_drafted = sum(yields.of(s) for s in slots) / sum(drafted)
+    return "drafted" if rate_drafted > rate_batched else "batched"
