@@ -61,7 +61,10 @@ $(VENV)/.peers: $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[peers]"
 	touch $@
 
-setup-peers: $(VENV)/.peers
+# vLLM's CPU engine and OpenVINO GenAI conflict with our packages: each gets a venv of its own
+# (mk/vllm.mk, mk/openvino.mk), and its worker process runs that venv's interpreter.
+include mk/vllm.mk mk/openvino.mk
+setup-peers: $(VENV)/.peers setup-peer-vllm setup-peer-openvino
 
 # onnxruntime-genai's own int4 CPU build of the default model's source, for the ortgenai peer (about a
 # minute, once): $(SPECRT_HOME)/peers/ortgenai/<model>-int4, its build record written last.

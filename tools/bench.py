@@ -11,8 +11,8 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,6 +22,7 @@ from specrt.runtime.generate import Generator
 from specrt.runtime.payoff import AUTO
 from specrt.runtime.reference import same_reference
 from specrt.runtime.sampling import SamplingParams
+from specrt.tools.peer_types import Peer  # noqa: F401  (re-exported: bench callers build Peers)
 
 
 @dataclass
@@ -61,23 +62,6 @@ def load_prompts(path: Path, split: str | None = None, per_category: int | None 
     if not prompts:
         raise SpecrtError(f"{path} holds no prompts" + (f" of split {split!r}" if split else ""))
     return prompts
-
-
-@dataclass
-class Peer:
-    """Another engine run on the same prompt token ids: run(ids, max_new_tokens) -> (new ids, seconds).
-
-    `reference` names the engine whose greedy output this one must reproduce (its own engine's plain
-    run, e.g. "transformers-plain"; "plain" is specrt's); None marks a reference itself (a plain peer),
-    whose output is then compared with specrt's plain output only (`same_as_specrt_plain`).
-    A bare callable given as a peer counts as Peer(run, reference="plain"). `specrt bench`'s peers run in
-    their own worker processes (tools/peer_worker.py): `run` sends the ids there and returns the seconds
-    the worker timed around generation.
-    """
-
-    run: Callable[[list[int], int], tuple[list[int], float]]
-    reference: str | None = "plain"
-    settings: dict = field(default_factory=dict)  # recorded in the results' config
 
 
 ADAPTIVE = "+adaptive"  # `--drafters eagle3+adaptive`: that drafter with adaptive draft depth

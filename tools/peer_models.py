@@ -39,6 +39,36 @@ def ortgenai_dir(source: str | Path) -> Path:
     return home() / "peers" / "ortgenai" / f"{model_name(source)}-int4"
 
 
+def hf_dir(source: str | Path) -> Path:
+    """Where the source's plain fp32 Hugging Face folder lives (the input of every peer's own
+    conversion: onnxruntime-genai's builder, vLLM, OpenVINO's optimum-intel export)."""
+    return home() / "peers" / "hf" / model_name(source)
+
+
+HF_RECORD = "specrt_hf_folder.json"  # written last: its presence marks a complete folder
+
+
+def ensure_hf_folder(source: str | Path, log=print) -> Path:
+    """The source saved once as an fp32 HF folder at `hf_dir(source)` (written beside, then renamed)."""
+    source = str(source)
+    final = hf_dir(source)
+    if (final / HF_RECORD).is_file():
+        return final
+    if not Path(source).exists():
+        raise SpecrtError(f"the peers' HF folder is made from the bundle's source {source}, which does not "
+                          "exist: put it back or export the bundle again")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    log(f"peer HF folder: saving {source} as fp32 into {final}...")
+    with tempfile.TemporaryDirectory(prefix=f".{final.name}-", dir=final.parent) as tmp:
+        tmp = Path(tmp)
+        _save_hf_folder(source, tmp / "hf")
+        (tmp / "hf" / HF_RECORD).write_text(json.dumps({"source": source}, indent=2))
+        if final.exists():  # an incomplete folder: move it out of the way, then drop it
+            final.rename(tmp / "old")
+        (tmp / "hf").rename(final)
+    return final
+
+
 def is_built(folder: Path) -> bool:
     return (folder / RECORD).is_file() and (folder / "genai_config.json").is_file()
 
@@ -93,11 +123,11 @@ def build_ortgenai(source: str | Path, force: bool = False, log=print) -> Path:
     log(f"ortgenai peer model: building {final.name} from {source} with onnxruntime-genai "
         f"{onnxruntime_genai.__version__} (int4, CPU; a minute or two)...")
     # the temporary folder sits beside the final one, so the last step is a rename on one file system
+    hf = ensure_hf_folder(source, log)
     with tempfile.TemporaryDirectory(prefix=f".{final.name}-", dir=final.parent) as tmp:
         tmp = Path(tmp)
-        _save_hf_folder(source, tmp / "hf")
         out = tmp / "out"
-        _run_builder(tmp / "hf", out, tmp / "cache", tmp / "builder.log")
+        _run_builder(hf, out, tmp / "cache", tmp / "builder.log")
         seconds = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         record = {"source": source, "onnxruntime_genai": onnxruntime_genai.__version__,

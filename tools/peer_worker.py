@@ -48,7 +48,7 @@ def serve(inp, out) -> int:
         out.flush()
 
     first = json.loads(inp.readline() or "{}")
-    sys.path[:] = first.get("sys_path", sys.path)  # import the factory as the parent did
+    sys.path[:] = first.get("sys_path") or sys.path  # import the factory as the parent did (unless in a venv of its own)
     try:
         factory, args, kwargs = pickle.loads(base64.b64decode(first["load"]))
         peers = factory(*args, **kwargs)
@@ -90,19 +90,22 @@ _LIVE: set[PeerWorker] = set()  # closed at exit if the caller did not
 class PeerWorker:
     """A worker process running one peer family; `run(engine, ids, n)` is one generation in it."""
 
-    def __init__(self, family: str, factory: Callable, args: tuple = (), kwargs: dict | None = None):
+    def __init__(self, family: str, factory: Callable, args: tuple = (), kwargs: dict | None = None,
+                 python: str | None = None):
+        """`python`: the interpreter of another venv (a peer whose packages conflict with ours, e.g.
+        vLLM); it must have specrt installed (`pip install --no-deps -e .`) and keeps its own sys.path."""
         self.family = family
         fd, log = tempfile.mkstemp(prefix=f"specrt-peer-{family}-", suffix=".log")
         os.close(fd)
         self.log = Path(log)
         with self.log.open("ab") as err:  # the child keeps its own handle, appending
-            self.proc = subprocess.Popen([sys.executable, "-m", "specrt.tools.peer_worker"],
+            self.proc = subprocess.Popen([python or sys.executable, "-m", "specrt.tools.peer_worker"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, bufsize=1)
         _LIVE.add(self)
         self.engines: dict[str, dict] = {}
         payload = base64.b64encode(pickle.dumps((factory, tuple(args), dict(kwargs or {})))).decode()
-        self._send({"load": payload, "sys_path": sys.path}, f"peer family {family}")
+        self._send({"load": payload, "sys_path": None if python else sys.path}, f"peer family {family}")
 
     @property
     def pid(self) -> int:
@@ -200,16 +203,17 @@ class RemoteRun:
         return self.worker.run(self.engine, ids, max_new_tokens)
 
 
-def in_workers(families: dict[str, tuple[Callable, tuple, dict]]) -> dict:
-    """{engine: Peer} of every family {name: (factory, args, kwargs)}, each family in its own worker.
+def in_workers(families: dict[str, tuple]) -> dict:
+    """{engine: Peer} of every family {name: (factory, args, kwargs[, python])}, each family in its own
+    worker (run by `python`, another venv's interpreter, where given).
 
     The workers load side by side (loading is not timed); if one fails, all are closed."""
-    from specrt.tools.bench import Peer
+    from specrt.tools.peer_types import Peer
 
     workers = []
     try:
-        for name, (factory, args, kwargs) in families.items():
-            workers.append(PeerWorker(name, factory, args, kwargs))
+        for name, (factory, args, kwargs, *python) in families.items():
+            workers.append(PeerWorker(name, factory, args, kwargs, *python))
         peers = {}
         for w in workers:
             for engine, info in w.wait_ready().items():

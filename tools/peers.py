@@ -22,9 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.tools.bench import Peer
 from specrt.tools.peer_models import BUILD_COMMAND, ORTGENAI_OPTIONS, is_built, ortgenai_dir
+from specrt.tools.peer_types import Peer
 from specrt.tools.peer_worker import in_workers
+from specrt.tools.peers_openvino import openvino_peers, openvino_python
+from specrt.tools.peers_vllm import vllm_peers, vllm_python
 
 EXTRA = "pip install 'specrt[peers]'"
 # Draft tokens per step for the prompt-lookup peers: transformers' documented example value and
@@ -279,7 +281,12 @@ def ortgenai_peers(manifest, threads: int, max_seq_len: int | None = None) -> di
 
 PEERS: dict[str, Callable[..., dict[str, Peer]]] = {"transformers": transformers_peers,
                                                     "llamacpp": llamacpp_peers,
-                                                    "ortgenai": ortgenai_peers}
+                                                    "ortgenai": ortgenai_peers,
+                                                    "vllm": vllm_peers,
+                                                    "openvino": openvino_peers}
+# families whose packages conflict with ours: their worker runs the interpreter of a venv of their own
+# (`make setup-peers` builds it; the function raises a SpecrtError naming that command when it is absent)
+PEER_PYTHON: dict[str, Callable[[], str]] = {"vllm": vllm_python, "openvino": openvino_python}
 SPECRT_BUNDLE = "specrt-bundle"  # the worker family of another specrt bundle (baseline_peer, exec_mode_peers)
 
 
@@ -304,7 +311,8 @@ def make_peers(names: list[str] | str, manifest, threads: int, max_seq_len: int 
     loaded in its own worker process (in this one with `in_process`)."""
     names = parse_peers(names if isinstance(names, str) else ",".join(names))
     if not in_process:
-        return in_workers({n: (PEERS[n], (manifest, threads, max_seq_len), {}) for n in names})
+        return in_workers({n: (PEERS[n], (manifest, threads, max_seq_len), {},
+                               *([PEER_PYTHON[n]()] if n in PEER_PYTHON else [])) for n in names})
     out: dict[str, Peer] = {}
     for n in names:
         out.update(PEERS[n](manifest, threads, max_seq_len))

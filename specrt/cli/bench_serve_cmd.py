@@ -1,4 +1,5 @@
-"""`specrt bench-serve`: the HTTP server's throughput and latency, batched against batch-1 serving."""
+"""`specrt bench-serve`: the HTTP server's throughput and latency, batched against batch-1 serving; with
+`--peer vllm`, `specrt serve` and another engine's OpenAI server under the same HTTP load (tools/serve_bench.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 import click
 
 from specrt.cli.options import bundle_argument, make_generator, runtime_options
+from specrt.tools.serve_bench import SERVERS
 
 
 @click.command("bench-serve")
 @bundle_argument
-@click.option("--concurrency", default="1,4,8", show_default=True, help="Comma-separated client concurrencies.")
+@click.option("--concurrency", default=None, help="Comma-separated client concurrencies (default 1,4,8; with --peer "
+              "1,4,16,32).")
 @click.option("--requests", "n_requests", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--drafter", default=None, help="Drafter (default: the bundle's tuned choice, else plain).")
@@ -22,19 +25,29 @@ from specrt.cli.options import bundle_argument, make_generator, runtime_options
                    "against single-request plain decoding; p50/p95 latency and RSS are reported.")
 @click.option("--slots", type=click.IntRange(min=1, max=64), default=8, show_default=True,
               help="KV slots of the --mixed server.")
+@click.option("--peer", type=click.Choice(list(SERVERS)), default=None,
+              help="Instead: this engine's own OpenAI server (vllm: `vllm serve` in its venv, `make setup-peers`), "
+                   "then `specrt serve BUNDLE --slots MAX-CONCURRENCY`, one at a time, each under the same load "
+                   "(chat, greedy, streamed and not) at every --concurrency: tok/s, p50/p95 latency, p50 TTFT, "
+                   "errors, and greedy texts equal to the engine's own single request (specrt's also to "
+                   "single-request plain decoding).")
 @runtime_options
-def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, **runtime):
+def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, **runtime):
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
-    --mixed, a mixed load held to plain decoding."""
+    --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
     from specrt.cli.bench_cmd import default_prompts
     from specrt.runtime.serving.loadgen import bench_serve, format_rows
     from specrt.tools.bench import load_prompts
 
+    concurrency = concurrency or ("1,4,16,32" if peer else "1,4,8")
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         raise click.BadParameter(f"{concurrency!r}: give positive integers such as 1,4,8", param_hint="--concurrency")
     prompts = [p.prompt for p in load_prompts(default_prompts())]
+    if peer:
+        return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
+                     levels, json_out, runtime)
     if mixed:
         return _mixed(bundle, drafter, prompts, mixed, levels[0], slots, max_tokens, json_out, runtime)
     gen = make_generator(bundle, drafter, slots=max(levels), **runtime)
@@ -70,6 +83,41 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
         _write_json(json_out, {"drafter": name, "slots": slots, **dataclasses.asdict(report)})
     if report.errors or report.mismatches:
         raise SystemExit(1)
+
+
+def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime):
+    """Each server alone, the same load on each (tools/serve_bench.py); the table, and --json."""
+    from tqdm import tqdm
+
+    from specrt.cli.options import resolve_bundle
+    from specrt.tools.serve_bench import compare, format_table, write_json
+
+    path = resolve_bundle(bundle)
+    result = compare(path, peer, drafter, prompts, max_tokens, levels, runtime["threads"], runtime["max_seq_len"],
+                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm)
+    click.echo(f"{len(prompts)} chat requests × ≤{max_tokens} tokens, greedy, {runtime['threads']} threads; "
+               "each server alone")
+    click.echo(format_table(result["rows"]))
+    if json_out:
+        write_json(json_out, result)
+
+
+def _runtime_flags(runtime: dict) -> list[str]:
+    """The runtime options given to this command, as `specrt serve` flags (defaults left out, but the
+    thread count always given: the peer runs on as many)."""
+    flags: list[str] = ["--threads", str(runtime["threads"])]
+    for p in command.params:
+        if (not isinstance(p, click.Option) or p.name not in runtime or p.name == "threads"
+                or runtime[p.name] == p.default):
+            continue
+        value = runtime[p.name]
+        if p.is_flag and p.secondary_opts:  # --adaptive/--fixed-depth
+            flags.append(p.opts[0] if value else p.secondary_opts[0])
+        elif p.is_flag:
+            flags += [p.opts[0]] if value else []
+        elif value is not None:
+            flags += [p.opts[0], str(value)]
+    return flags
 
 
 def _write_json(path: str, obj: dict) -> None:

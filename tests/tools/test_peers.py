@@ -28,7 +28,9 @@ from specrt.tools.peers import PEERS, assistant_model, make_peers, parse_peers
 
 PEER_NAMES = {"transformers": ["transformers-plain", "transformers-prompt-lookup", "transformers-assisted"],
               "llamacpp": ["llamacpp-plain", "llamacpp-prompt-lookup"],
-              "ortgenai": ["ortgenai-plain", "ortgenai-prompt-lookup"]}
+              "ortgenai": ["ortgenai-plain", "ortgenai-prompt-lookup"],
+              "vllm": ["vllm-plain", "vllm-ngram"],  # and vllm-suffix where vLLM's suffix method runs
+              "openvino": ["openvino-plain", "openvino-lookup", "openvino-draft"]}
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed "
                                      "(pip install 'specrt[peers]'; an ~8-minute native build)")
@@ -103,10 +105,12 @@ def test_peer_names_parse_lists_and_all_and_refuse_unknown_ones():
     assert set(PEERS) == set(PEER_NAMES)
     assert parse_peers("transformers, llamacpp") == ["transformers", "llamacpp"]
     assert parse_peers("all") == list(PEERS)
-    assert parse_peers("llamacpp,all,llamacpp") == ["llamacpp", "transformers", "ortgenai"]  # in order, once each
+    assert parse_peers("llamacpp,all,llamacpp") == ["llamacpp", "transformers", "ortgenai", "vllm",
+                                                    "openvino"]  # in order, once each
     assert parse_peers("") == parse_peers(None) == []
-    with pytest.raises(SpecrtError, match=r"unknown peer 'vllm': choose from transformers, llamacpp, ortgenai, or all"):
-        make_peers("transformers,vllm", manifest=None, threads=1)  # refused before anything loads
+    with pytest.raises(SpecrtError, match=r"unknown peer 'tgi': choose from transformers, llamacpp, ortgenai, vllm, "
+                                          r"openvino, or all"):
+        make_peers("transformers,tgi", manifest=None, threads=1)  # refused before anything loads
 
 
 def test_llamacpp_peer_refuses_a_bundle_not_exported_from_a_gguf(tiny_bundle):

@@ -1,0 +1,177 @@
+"""tools/serve_bench.py: its statistics and table, the server lifecycle, and the client against a real
+`specrt serve` subprocess on the real model's bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.tools import serve_bench as sb
+
+# ---- pure parts -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q", [0, 5, 50, 95, 100])
+def test_percentile_matches_numpys_linear_interpolation(q):
+    rng = np.random.default_rng(q)
+    for n in (1, 2, 7, 40):
+        xs = rng.random(n).tolist()
+        assert sb.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_percentile_of_nothing_is_none_and_q_is_checked():
+    assert sb.percentile([], 50) is None
+    with pytest.raises(ValueError, match="101"):
+        sb.percentile([1.0], 101)
+
+
+def test_count_equal_counts_same_request_pairs_and_never_a_failure():
+    assert sb.count_equal(["a", "b", None, "d"], ["a", "x", None, "d"]) == 2
+    assert sb.count_equal([None], [None]) == 0
+    with pytest.raises(ValueError, match="2 texts against 1"):
+        sb.count_equal(["a", "b"], ["a"])
+
+
+def test_summarize_counts_tokens_latency_and_ttft_of_successful_requests_only():
+    outs = [sb.Outcome("hi", 10, 1.0, 0.2), sb.Outcome("yo", 30, 3.0, 0.4),
+            sb.Outcome(None, 0, 9.0, None, "HTTP 500: boom")]
+    row = sb.summarize("e", 4, True, outs, 2.0, single=["hi", "no", "x"], plain=["hi", "yo", None])
+    assert row["tokens"] == 40 and row["tokens_per_s"] == 20.0
+    assert row["errors"] == 1 and row["first_error"] == "HTTP 500: boom"
+    assert row["latency_p50_s"] == 2.0 and row["latency_p95_s"] == pytest.approx(2.9)
+    assert row["ttft_p50_s"] == pytest.approx(0.3)
+    assert row["same_as_single"] == 1 and row["same_as_plain"] == 2
+    assert sb.summarize("e", 1, False, outs[:1], 1.0)["same_as_single"] is None
+
+
+def test_format_table_shows_equality_as_a_fraction_and_blanks_what_was_not_measured():
+    a = sb.summarize("vllm-bfloat16", 1, False, [sb.Outcome("x", 4, 1.0, 1.0)] * 2, 1.0, ["x", "y"])
+    b = sb.summarize("specrt-ngram", 16, True, [sb.Outcome("x", 4, 1.0, 0.5)] * 2, 1.0, ["x", "x"], ["x", "x"])
+    table = sb.format_table([a, b]).splitlines()
+    assert table[0].startswith("| engine | concurrency | stream | tok/s")
+    assert table[2] == "| vllm-bfloat16 | 1 | no | 8.0 | 1.0 | 1.0 | 1.0 | 0 | 1/2 |  |"
+    assert table[3] == "| specrt-ngram | 16 | yes | 8.0 | 1.0 | 1.0 | 0.5 | 0 | 2/2 | 2/2 |"
+
+
+def test_levels_put_the_single_request_reference_first_once():
+    assert sb.levels_of([4, 1]) == [(1, False), (4, False), (4, True), (1, True)]
+    assert sb.levels_of([8])[0] == sb.SINGLE and len(sb.levels_of([8])) == 3
+
+
+def test_sse_events_parse_data_lines_and_the_done_marker():
+    lines = [": comment", 'data: {"a": 1}', "", "data: [DONE]"]
+    assert list(sb._sse_events(lines)) == [{"a": 1}, "[DONE]"]
+
+
+def test_write_json_is_atomic(tmp_path):
+    path = tmp_path / "out.json"
+    sb.write_json(path, {"rows": [1]})
+    assert json.loads(path.read_text()) == {"rows": [1]}
+    with pytest.raises(TypeError):
+        sb.write_json(path, {(1, 2): "tuple keys are not JSON"})
+    assert json.loads(path.read_text()) == {"rows": [1]}  # the old file, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left
+
+
+def test_specrt_serve_command_passes_slots_drafter_and_runtime_flags():
+    argv = sb.specrt_serve_command("B", 8123, 16, "ngram", ["--threads", "2"], specrt="/x/specrt")
+    assert argv[:3] == ["/x/specrt", "serve", "B"]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--slots") + 1] == "16"
+    assert argv[argv.index("--drafter") + 1] == "ngram" and argv[-2:] == ["--threads", "2"]
+    assert "--drafter" not in sb.specrt_serve_command("B", 1, 1, None, [])  # the bundle's tuned choice
+
+
+def test_compare_refuses_an_unknown_peer(tmp_path):
+    with pytest.raises(SpecrtError, match="unknown --peer 'nope': choose from vllm"):
+        sb.compare(tmp_path, "nope", None, ["p"], 4, [1], 2, None, [])
+
+
+# ---- servers ------------------------------------------------------------------------------------------------
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, json, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[2], "w").write(str(child.pid))
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "fake"}]}).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+            self.wfile.write(body)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_server_waits_for_v1_models_and_ends_the_whole_process_group(tmp_path):
+    script, child = tmp_path / "fake.py", tmp_path / "child.pid"
+    script.write_text(FAKE_SERVER)
+    port = sb.free_port()
+    with sb.server("fake", [sys.executable, str(script), str(port), str(child)], port, timeout=30) as (url, model):
+        assert model == "fake" and url == f"http://127.0.0.1:{port}"
+        pid = int(child.read_text())
+        assert _alive(pid)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the server's child outlived it"
+
+
+def test_a_server_that_exits_is_refused_quoting_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(SpecrtError, match=r"(?s)exited with code 3 before.*no model here"):
+        with sb.server("broken", argv, sb.free_port(), timeout=30, log_dir=tmp_path):
+            pass
+    assert len(list(tmp_path.glob("specrt-serve-bench-broken-*.log"))) == 1  # kept for the post-mortem
+
+
+# ---- the client against a real `specrt serve` ----------------------------------------------------------------
+
+def test_client_measures_a_real_specrt_serve_streamed_and_not(real_bundle):
+    specrt = os.path.join(os.path.dirname(sys.executable), "specrt")
+    port = sb.free_port()
+    argv = sb.specrt_serve_command(real_bundle, port, 2, "ngram", ["--threads", "2"], specrt=specrt)
+    prompts = ["Name three colors.", "Count from one to five."]
+    with sb.server("specrt", argv, port, timeout=120) as (url, model):
+        plain, wall = sb.run_load(url, model, prompts, 8, 2, False)
+        streamed, _ = sb.run_load(url, model, prompts, 8, 1, True)
+        bad, _ = sb.run_load(url, model, prompts[:1], 0, 1, False)  # max_tokens 0: refused by the server
+    assert all(o.error is None for o in plain + streamed), [o.error for o in plain + streamed]
+    assert [o.text for o in streamed] == [o.text for o in plain] and all(o.text for o in plain)
+    assert all(0 < o.tokens <= 8 for o in plain + streamed)
+    assert [o.tokens for o in streamed] == [o.tokens for o in plain]  # from the usage chunk
+    assert all(o.ttft_s == o.latency_s for o in plain)
+    assert all(0 < o.ttft_s < o.latency_s for o in streamed)
+    assert 0 < wall and bad[0].error.startswith("HTTP 4") and bad[0].text is None
+    dead, _ = sb.run_load(url, model, prompts[:1], 4, 1, True)  # the server is gone now
+    assert dead[0].error and "Connect" in dead[0].error
+
+
+def test_bench_serve_passes_given_runtime_options_on_to_specrt_serve():
+    from specrt.cli.bench_serve_cmd import _runtime_flags
+
+    flags = _runtime_flags({"threads": 2, "max_seq_len": 512, "adaptive": False, "backend": "ort", "tree": None})
+    assert flags == ["--threads", "2", "--max-seq-len", "512", "--fixed-depth"]  # defaults left out, threads kept
+
+
+def test_bench_serve_peer_without_its_venv_names_the_setup_command(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from specrt.cli.bench_serve_cmd import command
+
+    monkeypatch.setenv("SPECRT_HOME", str(tmp_path))
+    result = CliRunner().invoke(command, [str(tmp_path), "--peer", "vllm"])
+    assert isinstance(result.exception, SpecrtError) and "make setup-peers" in str(result.exception)

@@ -1,0 +1,438 @@
+"""HTTP load against OpenAI-compatible servers, each started alone: `specrt bench-serve --peer vllm`.
+
+Every engine is a server in a process group of its own (`vllm serve` in the vLLM venv, `specrt serve`
+in ours) on a free loopback port, up alone so none shares the cores with another, and gets the same
+load: the same chat requests (greedy, temperature 0, max_tokens) from `concurrency` concurrent
+clients, not streamed and streamed, at each concurrency level. Per engine × concurrency × stream:
+
+    output tok/s   completion tokens of all requests / wall time of the whole level
+    latency        p50 / p95 of each request's time from sending to its last byte
+    TTFT           p50 time to first token: streamed, the first chunk carrying content; not streamed,
+                   the latency (the whole answer arrives at once)
+    same as single greedy texts equal to the engine's own single-request text (concurrency 1, not
+                   streamed): does batching change its output?
+    same as plain  specrt only: equal to single-request *plain* decoding (`--drafter plain`), specrt's
+                   promise (lossless speculation, batch-invariant serving)
+
+The pure parts (percentiles, equality counts, the table) and the client are unit-tested
+(tests/tools/test_serve_bench.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+
+START_TIMEOUT_S = 900.0  # a vLLM server's first start compiles its model (minutes on 2 cores)
+REQUEST_TIMEOUT_S = 900.0
+LOG_TAIL = 15  # lines of a failed server's log quoted in the error
+SINGLE = (1, False)  # (concurrency, stream) of the run every other one is compared with
+
+
+# ---- statistics and the table -------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation between order statistics (numpy's default);
+    None for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not within 0..100")
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def count_equal(texts: list[str | None], reference: list[str | None]) -> int:
+    """How many texts equal the reference text of the same request; a failed request (None) on either
+    side never counts."""
+    if len(texts) != len(reference):
+        raise ValueError(f"{len(texts)} texts against {len(reference)} reference texts")
+    return sum(1 for a, b in zip(texts, reference, strict=True) if a is not None and b is not None and a == b)
+
+
+@dataclass
+class Outcome:
+    """One request's result: its text (None when it failed), completion tokens, and timings."""
+
+    text: str | None
+    tokens: int
+    latency_s: float
+    ttft_s: float | None
+    error: str | None = None
+
+
+def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcome], wall_s: float,
+              single: list[str | None] | None = None, plain: list[str | None] | None = None) -> dict:
+    """One table row: throughput, latency and TTFT percentiles, errors, and equality counts against the
+    engine's single-request texts (`single`) and, for specrt, single-request plain decoding (`plain`)."""
+    ok = [o for o in outcomes if o.error is None]
+    tokens = sum(o.tokens for o in ok)
+    texts = [o.text if o.error is None else None for o in outcomes]
+    n = len(outcomes)
+
+    def rounded(x):
+        return None if x is None else round(x, 3)
+
+    row = {"engine": engine, "concurrency": concurrency, "stream": stream, "requests": n,
+           "errors": n - len(ok), "tokens": tokens, "seconds": round(wall_s, 3),
+           "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+           "latency_p50_s": rounded(percentile([o.latency_s for o in ok], 50)),
+           "latency_p95_s": rounded(percentile([o.latency_s for o in ok], 95)),
+           "ttft_p50_s": rounded(percentile([o.ttft_s for o in ok if o.ttft_s is not None], 50)),
+           "same_as_single": None if single is None else count_equal(texts, single),
+           "same_as_plain": None if plain is None else count_equal(texts, plain)}
+    first = next((o.error for o in outcomes if o.error), None)
+    if first:
+        row["first_error"] = first
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table; equality columns read k/n (blank where not measured)."""
+    head = ("| engine | concurrency | stream | tok/s | p50 latency s | p95 latency s | p50 TTFT s | errors "
+            "| same as own single | same as plain single |")
+    lines = [head, "|" + "---|" * 10]
+
+    def frac(r, key):
+        return "" if r.get(key) is None else f"{r[key]}/{r['requests']}"
+
+    def num(x):
+        return "" if x is None else f"{x}"
+
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['concurrency']} | {'yes' if r['stream'] else 'no'} | "
+                     f"{num(r['tokens_per_s'])} | {num(r['latency_p50_s'])} | {num(r['latency_p95_s'])} | "
+                     f"{num(r['ttft_p50_s'])} | {r['errors']} | {frac(r, 'same_as_single')} | "
+                     f"{frac(r, 'same_as_plain')} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Written whole or not at all (a temporary file beside it, then renamed)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---- the client ---------------------------------------------------------------------------------------
+
+def chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def _sse_events(lines: list[str]) -> Iterator[dict | str]:
+    """The JSON objects of SSE `data:` lines (the string "[DONE]" for the end marker)."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        yield "[DONE]" if data == "[DONE]" else json.loads(data)
+
+
+def _error_of(obj: dict) -> str:
+    err = obj.get("error")
+    return (err.get("message") if isinstance(err, dict) else None) or str(err)
+
+
+async def _plain_request(client, body: dict) -> Outcome:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/chat/completions", json=body)
+    latency = time.perf_counter() - t0
+    if r.status_code != 200:
+        return Outcome(None, 0, latency, None, f"HTTP {r.status_code}: {r.text[:200]}")
+    obj = r.json()
+    text = obj["choices"][0]["message"].get("content") or ""
+    return Outcome(text, int(obj.get("usage", {}).get("completion_tokens", 0)), latency, latency)
+
+
+async def _stream_request(client, body: dict) -> Outcome:
+    t0 = time.perf_counter()
+    ttft, pieces, tokens, chunks, done = None, [], None, 0, False
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return Outcome(None, 0, time.perf_counter() - t0, None, f"HTTP {r.status_code}: {r.text[:200]}")
+        async for line in r.aiter_lines():
+            for ev in _sse_events([line]):
+                if ev == "[DONE]":
+                    done = True
+                    continue
+                if "error" in ev:
+                    return Outcome(None, 0, time.perf_counter() - t0, ttft, f"stream error: {_error_of(ev)}")
+                for choice in ev.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        pieces.append(piece)
+                        chunks += 1
+                if ev.get("usage"):
+                    tokens = int(ev["usage"].get("completion_tokens", 0))
+    latency = time.perf_counter() - t0
+    if not done:
+        return Outcome(None, 0, latency, ttft, "the stream ended without `data: [DONE]`")
+    # without a usage chunk, a content chunk counts as one token (servers stream about one per token)
+    return Outcome("".join(pieces), chunks if tokens is None else tokens, latency, ttft)
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Outcome:
+    """One greedy chat completion; a failure (HTTP status, transport, a stream's error event) becomes
+    an Outcome with `error` set rather than an exception, so one failed request never ends a level."""
+    body = chat_body(model, prompt, max_tokens, stream)
+    t0 = time.perf_counter()
+    try:
+        return await (_stream_request if stream else _plain_request)(client, body)
+    except Exception as e:  # httpx transport errors, malformed JSON
+        return Outcome(None, 0, time.perf_counter() - t0, None, f"{type(e).__name__}: {e}")
+
+
+async def drive(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, stream: bool,
+                progress=None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[Outcome], float]:
+    """Every prompt as one request, at most `concurrency` in flight; (outcomes in prompt order, wall s)."""
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(client, prompt):
+        async with sem:
+            out = await one_request(client, model, prompt, max_tokens, stream)
+        if progress is not None:
+            progress.update(1)
+        return out
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(client, p) for p in prompts))
+        return list(outcomes), time.perf_counter() - t0
+
+
+def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, stream: bool,
+             progress=None) -> tuple[list[Outcome], float]:
+    return asyncio.run(drive(url, model, prompts, max_tokens, concurrency, stream, progress))
+
+
+# ---- servers --------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A loopback port free now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()[-LOG_TAIL:]
+    except OSError:
+        lines = []
+    return (f"; its log {log} ends:\n" + "\n".join(lines)) if lines else f" (its log {log} is empty)"
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, name: str, timeout: float) -> str:
+    """Poll GET /v1/models until the server answers; returns the model id it serves. Refused, quoting
+    the log, when the process exits first or the timeout passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SpecrtError(f"{name}: the server exited with code {proc.returncode} before it answered "
+                              f"{url}/v1/models{_tail(log)}")
+        try:
+            r = httpx.get(f"{url}/v1/models", timeout=5)
+            if r.status_code == 200 and r.json().get("data"):
+                return r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise SpecrtError(f"{name}: the server did not answer {url}/v1/models within {timeout:.0f} s{_tail(log)}")
+        time.sleep(1.0)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End the server's whole process group (vLLM's engine core and workers too): SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):  # children left behind by a leader that already exited
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def server(name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+           timeout: float = START_TIMEOUT_S, log_dir: Path | None = None) -> Iterator[tuple[str, str]]:
+    """`argv` (a server listening on 127.0.0.1:`port`) started in a process group of its own, its output
+    in a log file; yields (base URL, model id) once it answers; its group is ended on exit."""
+    fd, log = tempfile.mkstemp(prefix=f"specrt-serve-bench-{name}-", suffix=".log", dir=log_dir)
+    log = Path(log)
+    with os.fdopen(fd, "wb") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        yield url, wait_ready(url, proc, log, name, timeout)
+    finally:
+        stop_group(proc)
+    log.unlink(missing_ok=True)  # kept when the run failed (an exception skips this line)
+
+
+def specrt_serve_command(bundle: Path, port: int, slots: int, drafter: str | None, flags: list[str],
+                         specrt: str | None = None) -> list[str]:
+    """`specrt serve` on loopback with `slots` KV slots and `drafter` (None: the bundle's tuned choice);
+    `flags`: runtime options passed on as given (e.g. ["--threads", "2"])."""
+    exe = specrt or str(Path(sys.executable).with_name("specrt"))
+    return [exe, "serve", str(bundle), "--host", "127.0.0.1", "--port", str(port), "--slots", str(slots),
+            *(["--drafter", drafter] if drafter else []), "--max-waiting", str(max(64, slots * 2)),
+            "--log-level", "warning", *flags]
+
+
+# ---- one engine, every level --------------------------------------------------------------------------------
+
+@dataclass
+class Engine:
+    """A server to measure: `start(port)` -> (argv, extra env); `levels`: (concurrency, stream) runs."""
+
+    name: str
+    start: Callable[[int], tuple[list[str], dict[str, str]]]
+    levels: list[tuple[int, bool]]
+
+
+def levels_of(concurrencies: list[int], streams: tuple[bool, ...] = (False, True)) -> list[tuple[int, bool]]:
+    """(concurrency, stream) runs, the single-request reference SINGLE first (added when absent)."""
+    runs = [(c, s) for c in concurrencies for s in streams]
+    return [SINGLE] + [r for r in runs if r != SINGLE]
+
+
+def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=print, bar: Callable | None = None,
+                   record: dict | None = None) -> dict[tuple[int, bool], tuple[list[Outcome], float]]:
+    """Start `engine`'s server alone, warm it up (one short request, not measured), run every level;
+    `record` gets the command line and environment it ran with."""
+    port = free_port()
+    argv, env = engine.start(port)
+    if record is not None:
+        record[engine.name] = {"argv": argv, "env": env}
+    log(f"{engine.name}: starting {' '.join(argv[:4])}... on port {port}")
+    t0 = time.perf_counter()
+    results = {}
+    with server(engine.name, argv, port, env) as (url, model):
+        log(f"{engine.name}: up in {time.perf_counter() - t0:.0f} s, serving {model!r}")
+        warm, _ = run_load(url, model, prompts[:1], 4, 1, False)
+        if warm[0].error:
+            raise SpecrtError(f"{engine.name}: the warm-up request failed: {warm[0].error}")
+        for c, stream in engine.levels:
+            progress = bar(total=len(prompts), desc=f"{engine.name} c={c}{' stream' if stream else ''}",
+                           unit="req", leave=False) if bar else None
+            try:
+                results[(c, stream)] = run_load(url, model, prompts, max_tokens, c, stream, progress)
+            finally:
+                if progress is not None:
+                    progress.close()
+    return results
+
+
+def rows_of(name: str, results: dict, plain: list[str | None] | None = None) -> list[dict]:
+    """Table rows of one engine's results, each compared with its SINGLE run (and `plain`, where given)."""
+    single = [o.text if o.error is None else None for o in results[SINGLE][0]]
+    return [summarize(name, c, s, outs, wall, single, plain) for (c, s), (outs, wall) in results.items()]
+
+
+def texts_of(outcomes: list[Outcome]) -> list[str | None]:
+    return [o.text if o.error is None else None for o in outcomes]
+
+
+def outcomes_json(results: dict) -> list[dict]:
+    return [{"concurrency": c, "stream": s, "outcomes": [asdict(o) for o in outs]}
+            for (c, s), (outs, _) in results.items()]
+
+
+# ---- the comparison `specrt bench-serve --peer` runs ---------------------------------------------------------
+
+def vllm_engine(bundle: Path, threads: int, max_seq_len: int | None, levels: list[tuple[int, bool]]) -> Engine:
+    """`vllm serve` (its OpenAI server module, in the vLLM venv) on the bundle source's HF folder, bf16."""
+    from specrt.schema.manifest import Manifest
+    from specrt.tools.peer_models import ensure_hf_folder
+    from specrt.tools.peers_vllm import DTYPE, context_length, serve_command, vllm_python
+
+    python = vllm_python()  # refused first, naming `make setup-peers`, when the venv is absent
+    manifest = Manifest.load(bundle)
+    folder = ensure_hf_folder(manifest.target.source)
+    context = context_length(max_seq_len, manifest.target.config.max_position_embeddings)
+    return Engine(f"vllm-{DTYPE}", lambda port: serve_command(python, folder, port, threads, context), levels)
+
+
+SERVERS: dict[str, Callable[..., Engine]] = {"vllm": vllm_engine}  # --peer NAME: (bundle, threads, max_seq_len, levels)
+
+
+def tuned_drafter(bundle: Path) -> str:
+    """The drafter `specrt serve` picks when none is given: the bundle's tuned choice, else plain."""
+    from specrt.schema.manifest import Manifest
+
+    return Manifest.load(bundle).runtime_defaults.get("drafter", "plain")
+
+
+def compare(bundle: Path, peer: str, drafter: str | None, prompts: list[str], max_tokens: int,
+            concurrencies: list[int], threads: int, max_seq_len: int | None, flags: list[str],
+            log=print, bar: Callable | None = None) -> dict:
+    """The peer's server, then specrt's single-request plain reference, then `specrt serve --drafter
+    DRAFTER`, one at a time, under the same load; {"rows", "config", "outcomes"}."""
+    if peer not in SERVERS:
+        raise SpecrtError(f"unknown --peer {peer!r}: choose from {', '.join(SERVERS)}")
+    levels = levels_of(concurrencies)
+    other = SERVERS[peer](bundle, threads, max_seq_len, levels)  # refused first when the peer is not set up
+    slots = max(concurrencies)
+    chosen = drafter or tuned_drafter(bundle)
+
+    def specrt_engine(name: str, drafter_flag: str | None, engine_slots: int, runs) -> Engine:
+        return Engine(name, lambda port: (specrt_serve_command(bundle, port, engine_slots, drafter_flag, flags), {}),
+                      runs)
+
+    engines = [other]
+    if chosen != "plain":
+        # as many slots as the served engine: the same graph and execution mode, so the same reference
+        # (on ort-fused a batch-1 server runs another graph: runtime/reference.py)
+        engines.append(specrt_engine("specrt-plain", "plain", slots, [SINGLE]))
+    engines.append(specrt_engine(f"specrt-{chosen}", drafter, slots, levels))
+    commands: dict = {}
+    results = {e.name: measure_engine(e, prompts, max_tokens, log, bar, commands) for e in engines}
+    plain = texts_of(results["specrt-plain" if chosen != "plain" else f"specrt-{chosen}"][SINGLE][0])
+    rows = rows_of(other.name, results[other.name])
+    for e in engines[1:]:
+        rows += rows_of(e.name, results[e.name], plain)
+    config = {"peer": peer, "bundle": str(bundle), "drafter": chosen, "threads": threads, "max_tokens": max_tokens,
+              "requests": len(prompts), "concurrencies": concurrencies, "specrt_slots": slots, "flags": flags,
+              "commands": commands}
+    return {"config": config, "rows": rows,
+            "outcomes": {name: outcomes_json(res) for name, res in results.items()}}
