@@ -1,10 +1,15 @@
-"""How the scheduler spends a step when the backend batches one row per sequence (`ort-fused`).
+"""How the scheduler spends a step over n > 1 decoding sequences: drafts, or plain rows batched.
 
-GroupQueryAttention takes several new rows after a cached prefix only at batch 1, so a step over n
-decoding sequences is one of two plans:
+On a backend that batches one row per sequence (`ort-fused`: GroupQueryAttention takes several new
+rows after a cached prefix only at batch 1) a step is one of
 
     batched   ONE pass over all n slots, one row each (plain decoding of each)   n tokens / c(n, 1)
     drafted   n batch-1 passes, each slot its own draft window of T_s rows        Σ E_s / Σ c(1, T_s)
+
+and on one that batches windows (`ort`) one of
+
+    batched   as above                                                           n tokens / c(n, 1)
+    windows   ONE pass over all n slots, each its draft, padded to the longest   Σ E_s / c(n, max T_s)
 
 c(b, t) is the measured seconds of a pass over b sequences of t rows each (`PassCosts`: what this
 scheduler's passes took, smoothed), E_s the tokens a drafted pass commits for slot s (its own
@@ -62,6 +67,21 @@ class Yield:
 
     def of(self, slot: int) -> float:
         return self.slot.get(slot, self.server)
+
+
+def choose_windows(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts,
+                   yields: Yield) -> str:
+    """"batched" or "windows" for a step over decoding `slots` on a backend that batches windows
+    (arguments as `choose`)."""
+    batched = costs.get(batch, 1)
+    if batched is None:
+        return "batched"
+    rows = max(window_rows[s] for s in slots)
+    drafted = any(b == batch and t > 1 for b, t in costs.seconds)
+    windows = costs.get(batch, rows) if drafted else None
+    if windows is None:
+        return "windows"  # explore: this many rows per sequence has not been measured at this batch
+    return "windows" if sum(yields.of(s) for s in slots) / windows > len(slots) / batched else "batched"
 
 
 def choose(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts, yields: Yield) -> str:

@@ -12,10 +12,10 @@ One thread owns the target graph. Each step it
      `past_len` in its own KV slot (padding rows see only themselves and are never read),
   6. lets every sequence accept and commit its own number of tokens (ragged acceptance).
 
-On a backend that batches one row per sequence (`ort-fused`: GroupQueryAttention), steps 4-5 are one of
-two plans, whichever commits more tokens per second by the measured pass costs (pass_policy.py): ONE
-pass over every decoding slot with a single row each (plain decoding), or one batch-1 drafted pass per
-slot. Speculation thus backs off as the batch fills.
+With several sequences decoding, steps 4-5 follow whichever plan commits more tokens per second by the
+measured pass costs (pass_policy.py): ONE pass over every decoding slot with a single row each (plain
+decoding), or the drafts — in that one pass where the backend batches windows, else (`ort-fused`:
+GroupQueryAttention) one batch-1 drafted pass per slot. Speculation thus backs off as the batch fills.
 
 Each sequence runs exactly `runtime/sequence.py`, the code `specrt generate` runs, and the target's
 kernels compute every row of a batched pass as they compute it alone (the bundle's batch-invariance
@@ -167,7 +167,7 @@ class Scheduler:
 
         self.batch_windows = backend_entry(gen.backend).batch_windows
         self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()
-        self.plans = {"batched": 0, "drafted": 0}  # steps of each plan (backends without batch windows)
+        self.plans = {"batched": 0, "drafted": 0, "windows": 0}  # steps of each plan (pass_policy.py)
 
     def _new_slot(self, i: int) -> _Slot:
         """KV slot i: slot 0 takes the generator's own drafter and target state (those `generate` uses in
@@ -332,19 +332,22 @@ class Scheduler:
 
     def _step(self) -> None:
         live = [s for s in self.slots if s.decoding]
-        if self.batch_windows or len(live) < 2:
+        if len(live) < 2:
             self._run_step(live)
             return
         if all(getattr(s.drafter, "name", "") == "plain" for s in live):
             plan = "batched"
         else:
+            policy = pass_policy.choose_windows if self.batch_windows else pass_policy.choose
             batch = live[-1].index - live[0].index + 1
-            plan = pass_policy.choose([s.index for s in live], batch, {s.index: s.window_rows for s in live},
-                                      self.costs, self.yields)
+            plan = policy([s.index for s in live], batch, {s.index: s.window_rows for s in live}, self.costs,
+                          self.yields)
         self.plans[plan] += 1
         if plan == "batched":
             self._run_step(live, depth_cap=0)
-        else:
+        elif plan == "windows":
+            self._run_step(live)
+        else:  # drafted: each slot's own batch-1 pass
             for slot in live:
                 if slot.decoding:
                     self._run_step([slot])

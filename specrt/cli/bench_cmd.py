@@ -50,8 +50,10 @@ def _prompts(spec: str | None, per_category: int | None):
               help="Other engines to run beside specrt on the same token ids, each family in its own process, "
                    "comma-separated: transformers (plain, prompt-lookup, assisted by the bundle's draft), llamacpp "
                    "(plain, prompt-lookup, on the source GGUF), ortgenai (onnxruntime-genai plain and prompt-lookup "
-                   "on its int4 build of the source: `make peer-models`), or all. Needs pip install "
-                   "'specrt[peers]'.")
+                   "on its int4 build of the source: `make peer-models`), vllm (vLLM's CPU engine, bf16: plain, ngram), "
+                   "openvino (OpenVINO GenAI on its own int4 conversion: plain, prompt-lookup, a 4-layer draft), or "
+                   "all. Needs pip install 'specrt[peers]'; vllm and openvino run in venvs of their own: "
+                   "`make setup-peers`.")
 @click.option("--baseline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
               help="Also run plain decoding on this bundle (e.g. the fp32 export beside a quantized one) in the "
                    "same run, in its own process, as peer specrt-<quantization>-plain.")
