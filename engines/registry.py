@@ -69,6 +69,9 @@ class Backend:
     # False: a pass over several sequences takes one new row per sequence (plain decoding of each); a
     # window of several rows (a draft, a prompt chunk) runs at batch 1 (the serving scheduler plans so)
     batch_windows: bool = True
+    # (bundle, manifest, role) -> the ONNX file a decoder of several sequences runs, where it is another one
+    # than `graph_file` (ort-fused: its batch-1 graph pads GroupQueryAttention with a row, which batches refuse)
+    batched_graph_file: Callable[..., Path] | None = None
 
 
 BACKENDS: dict[str, Backend] = {
@@ -81,7 +84,7 @@ BACKENDS: dict[str, Backend] = {
     # sequence at any batch
     "ort-fused": Backend(_ort, "ONNX Runtime on the CPU, attention fused (GroupQueryAttention): chains only; "
                          "batches one row per sequence", graph_file=lambda *a: fused_graph(*a), trees=False,
-                         batch_windows=False),
+                         batch_windows=False, batched_graph_file=lambda *a: fused_graph(*a, batched=True)),
 }
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 
@@ -119,9 +122,10 @@ def trt_options(bundle: Path, manifest, role: str, capacity: int) -> dict:
     return {"engine_path": Path(bundle) / built["graphs"][role]["file"], "max_window": int(built["max_window"])}
 
 
-def fused_graph(bundle: Path, manifest, role: str) -> Path:
-    """The `ort-fused` graph of `role` that `specrt build` wrote (engines/ort_cpu/fuse.py)."""
-    built = manifest.artifacts.get("onnxruntime", {}).get("fused", {}).get(role)
+def fused_graph(bundle: Path, manifest, role: str, batched: bool = False) -> Path:
+    """The `ort-fused` graph of `role` that `specrt build` wrote (engines/ort_cpu/fuse.py); `batched`: the
+    one for several sequences per pass."""
+    built = manifest.artifacts.get("onnxruntime", {}).get("fused_batched" if batched else "fused", {}).get(role)
     if not built or not (Path(bundle) / built["file"]).is_file():
         from specrt.engines.ort_cpu.fuse import not_lowered
 
@@ -134,9 +138,12 @@ def fused_graph(bundle: Path, manifest, role: str) -> Path:
     return Path(bundle) / built["file"]
 
 
-def graph_path(backend: str, bundle: Path, manifest, role: str) -> Path:
-    """The ONNX file `backend` runs for graph `role` of a bundle."""
+def graph_path(backend: str, bundle: Path, manifest, role: str, batched: bool = False) -> Path:
+    """The ONNX file `backend` runs for graph `role` of a bundle (`batched`: in a decoder of several
+    sequences)."""
     entry = backend_entry(backend)
+    if batched and entry.batched_graph_file:
+        return entry.batched_graph_file(bundle, manifest, role)
     return entry.graph_file(bundle, manifest, role) if entry.graph_file else manifest.onnx_path(bundle, role)
 
 
@@ -145,5 +152,5 @@ def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int,
     """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it."""
     entry = backend_entry(backend)
     options = entry.bundle_options(bundle, manifest, role, capacity) if entry.bundle_options else {}
-    return make_decoder(backend, graph_path(backend, bundle, manifest, role), manifest.graphs[role].config,
+    return make_decoder(backend, graph_path(backend, bundle, manifest, role, batch > 1), manifest.graphs[role].config,
                         capacity, threads, batch, **options)

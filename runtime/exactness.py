@@ -195,7 +195,7 @@ def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str,
     from specrt.engines.registry import graph_path
 
     fp = Fingerprint.here(threads, backend)
-    graph = graph_path(backend, bundle, manifest, "target")
+    graph = graph_path(backend, bundle, manifest, "target", batched)
     record = manifest.artifacts.get(RECORDS, {}).get(record_key({"key": fp.key, "graph": _relative(graph, bundle)}))
     if record is not None and usable(record, backend, requested):
         return judge(record, requested, "bundle record", batched)

@@ -2,7 +2,8 @@
 
 The saved graph uses only ONNX Runtime's portable (extended) optimizations, so it runs on any CPU
 with the same ONNX Runtime version; hardware-specific layout passes still run at session start.
-Decoder graphs also get their `--backend ort-fused` form (`write_fused`).
+Decoder graphs also get their `--backend ort-fused` forms (`write_fused`): the batch-1 graph (its attention
+padded with a row, engines/ort_cpu/fuse.py) and the graph for several sequences per pass (unpadded).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from specrt.engines.ort_cpu.fuse import fuse_attention
+from specrt.engines.ort_cpu.fuse import PAD_ROWS, fuse_attention
 from specrt.plugins.tree_attention import NAME
 from specrt.schema.digests import file_digests
 from specrt.schema.manifest import Manifest
@@ -44,22 +45,30 @@ def build_ort(bundle: Path, manifest: Manifest, threads: int = 2) -> dict:
             (Path(scratch) / dst.name).replace(dst)
         entry["graphs"][role] = {"file": str(dst.relative_to(bundle)), "seconds": round(time.perf_counter() - t0, 2),
                                  "sha256": file_digests(dst, dst.with_name(data))}  # verified at load
-        fused = write_fused(src, graph.config)
-        if fused is not None:
-            entry.setdefault("fused", {})[role] = {"file": str(fused.relative_to(bundle)), "sha256": file_digests(fused)}
+        for key, suffix, pad in FUSED:
+            fused = write_fused(src, graph.config, suffix, pad)
+            if fused is not None:
+                entry.setdefault(key, {})[role] = {"file": str(fused.relative_to(bundle)),
+                                                   "sha256": file_digests(fused)}
     return entry
 
 
-def write_fused(src: Path, cfg) -> Path | None:
-    """`<graph>.ort-fused.onnx` beside a decoder graph, its attention lowered for `--backend ort-fused`
-    (engines/ort_cpu/fuse.py); it reads the graph's own external weights file. None: not lowerable."""
+# (manifest key under artifacts.onnxruntime, file suffix, attention pad rows): the batch-1 graph and the one
+# for several sequences per pass (engines/registry.py fused_graph reads both keys)
+FUSED = (("fused", ".ort-fused.onnx", PAD_ROWS), ("fused_batched", ".ort-fused-batched.onnx", 0))
+
+
+def write_fused(src: Path, cfg, suffix: str = ".ort-fused.onnx", pad_rows: int = PAD_ROWS) -> Path | None:
+    """`<graph><suffix>` beside a decoder graph, its attention lowered for `--backend ort-fused`
+    (engines/ort_cpu/fuse.py) with `pad_rows`; it reads the graph's own external weights file. None: not
+    lowerable."""
     model = onnx.load(str(src), load_external_data=False)
     if not any(n.op_type == NAME for n in model.graph.node):
         return None
-    fused = fuse_attention(model, cfg)
+    fused = fuse_attention(model, cfg, pad_rows)
     if fused is None:
         return None
-    dst = src.with_name(src.stem + ".ort-fused.onnx")
+    dst = src.with_name(src.stem + suffix)
     fd, tmp = tempfile.mkstemp(dir=src.parent, prefix=dst.name, suffix=".tmp")
     os.close(fd)
     onnx.save_model(fused, tmp)  # weights stay in the source's external data file

@@ -22,7 +22,7 @@ def recorded_digests(manifest) -> list[tuple[str, str, str]]:
     each graph's files, and the files `specrt build` wrote for ONNX Runtime."""
     entries = [(f"graphs.{role}", g.file, g.sha256) for role, g in manifest.graphs.items()]
     built = manifest.artifacts.get("onnxruntime", {})
-    for section in ("graphs", "fused"):
+    for section in ("graphs", "fused", "fused_batched"):
         entries += [(f"artifacts.onnxruntime.{section}.{role}", b["file"], b.get("sha256", {}))
                     for role, b in built.get(section, {}).items()]
     return [(f"{key}.sha256", posixpath.join(posixpath.dirname(file), name), digest)

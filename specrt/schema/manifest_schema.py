@@ -57,6 +57,8 @@ ARTIFACT_FIELDS: tuple[tuple[tuple[str, ...], Check], ...] = (
     (("onnxruntime", "graphs", "*", "sha256"), DIGESTS),
     (("onnxruntime", "fused", "*", "file"), BUNDLE_PATH),
     (("onnxruntime", "fused", "*", "sha256"), DIGESTS),
+    (("onnxruntime", "fused_batched", "*", "file"), BUNDLE_PATH),
+    (("onnxruntime", "fused_batched", "*", "sha256"), DIGESTS),
     (("tensorrt", "graphs", "*", "file"), BUNDLE_PATH),
     (("tensorrt", "timing_cache"), BUNDLE_PATH),
     (("reference_io", "*", "inputs"), BUNDLE_PATH),

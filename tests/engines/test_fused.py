@@ -13,9 +13,18 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
-from specrt.engines.ort_cpu.fuse import fuse_attention
+from specrt.engines.ort_cpu.fuse import (
+    KV_PAD_ROWS,
+    PAD_ROWS,
+    _attention,
+    _pad_constants,
+    _rotary_tables,
+    _shared_nodes,
+    fuse_attention,
+)
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.engines.registry import BACKENDS, fused_graph
 from specrt.errors import SpecrtError
@@ -53,11 +62,12 @@ def test_build_writes_a_fused_graph_for_each_decoder(built):
     assert sum(op_counts(model).values()) < sum(op_counts(original).values()) / 2  # function bodies counted
 
 
-def test_fused_graph_computes_what_the_exported_graph_computes(built):
+@pytest.mark.parametrize("batched", [False, True])
+def test_fused_graph_computes_what_the_exported_graph_computes(built, batched):
     bundle, manifest = built
     cfg = manifest.target.config
     plain = OrtDecoder(bundle / manifest.graphs["target"].file, cfg, CAPACITY, threads=1)
-    fused = OrtDecoder(fused_graph(bundle, manifest, "target"), cfg, CAPACITY, threads=1)
+    fused = OrtDecoder(fused_graph(bundle, manifest, "target", batched=batched), cfg, CAPACITY, threads=1)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, 20).tolist()
     tree = Tree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
@@ -70,6 +80,81 @@ def test_fused_graph_computes_what_the_exported_graph_computes(built):
         for buf_a, buf_b in zip(plain.kv, fused.kv, strict=True):  # the rows each pass wrote, in place
             np.testing.assert_allclose(buf_b[:, :, : past + len(tokens)], buf_a[:, :, : past + len(tokens)],
                                        atol=1e-5)
+
+
+def test_the_fused_graphs_have_genais_node_structure(built):
+    """Per layer one GroupQueryAttention and two SkipSimplifiedLayerNormalization (residual Add + RMSNorm),
+    the exported rotary tables dropped; the batch-1 graph pads its attention (and says so in its metadata,
+    so its runner gives the KV buffers that row), the batched one does not."""
+    bundle, manifest = built
+    layers = manifest.target.config.num_layers
+    for batched, pad in ((False, PAD_ROWS), (True, 0)):
+        model = onnx.load(str(fused_graph(bundle, manifest, "target", batched=batched)), load_external_data=False)
+        ops = [n.op_type for n in model.graph.node]
+        assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers and ops.count("RMSNormalization") == 1
+        assert "Sin" not in ops and "Cos" not in ops  # GroupQueryAttention reads its own cos/sin tables
+        assert ops.count("Pad") == (layers + 2 if pad else 0) and ops.count("Slice") == (layers if pad else 0)
+        assert {p.key: p.value for p in model.metadata_props}[KV_PAD_ROWS] == str(pad)
+        dec = OrtDecoder(fused_graph(bundle, manifest, "target", batched=batched), manifest.target.config,
+                         CAPACITY, threads=1)
+        assert dec.kv[0].shape[2] == CAPACITY + pad and dec.capacity == CAPACITY
+    plain = OrtDecoder(bundle / manifest.graphs["target"].file, manifest.target.config, CAPACITY, threads=1)
+    assert plain.kv[0].shape[2] == CAPACITY
+
+
+def _attention_only(cfg, pad: int, capacity: int) -> ort.InferenceSession:
+    """One layer's lowered attention alone: q|k|v in, GroupQueryAttention's window rows out."""
+    vi = onnx.helper.make_tensor_value_info
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    kv = [1, cfg.num_kv_heads, capacity, cfg.head_dim]
+    inputs = [vi("qkv", onnx.TensorProto.FLOAT, [1, "tokens", width]),
+              vi("position_ids", onnx.TensorProto.INT64, [1, "tokens"]), vi("past_len", onnx.TensorProto.INT64, [1]),
+              vi("tree_mask", onnx.TensorProto.BOOL, [1, "tokens", "tokens"]),
+              vi("past_key.0", onnx.TensorProto.FLOAT, kv), vi("past_value.0", onnx.TensorProto.FLOAT, kv)]
+    outputs = [vi("out", onnx.TensorProto.FLOAT, None), vi("present_key.0", onnx.TensorProto.FLOAT, kv),
+               vi("present_value.0", onnx.TensorProto.FLOAT, kv)]
+    graph = onnx.helper.make_graph(_shared_nodes(pad) + _attention(0, "qkv", "out", cfg, pad), "attention", inputs,
+                                   outputs, _rotary_tables(cfg) + _pad_constants(pad))
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 24),
+                                                         onnx.helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 11
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_the_pad_row_gives_a_single_row_the_attention_of_a_chains_first_row(built):
+    """What makes `ort-fused` exact without padding whole passes: with its pad row, a one-row pass's
+    attention output is bit for bit row 0 of a chain after the same prefix (GroupQueryAttention never runs
+    MLAS's M=1 SGEMM kernels, whose sums round otherwise), and the rows it writes in the KV cache match."""
+    cfg = Manifest.load(built[0]).target.config
+    past, chain, capacity = 300, 4, 320  # a prefix past the 128/256-column blocks of the SGEMM kernels
+    rng = np.random.default_rng(0)
+    width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    prefix = rng.standard_normal((2, 1, cfg.num_kv_heads, capacity, cfg.head_dim)).astype(np.float32)
+    qkv = rng.standard_normal((1, chain, width)).astype(np.float32)
+    sess = _attention_only(cfg, PAD_ROWS, capacity)
+
+    def run(rows: int) -> tuple[np.ndarray, np.ndarray]:
+        k, v = prefix[0].copy(), prefix[1].copy()
+        b = sess.io_binding()
+        b.bind_output("out")  # first: copy_outputs_to_cpu() lists outputs in binding order
+        for name, buf in (("key", k), ("value", v)):
+            value = ort.OrtValue.ortvalue_from_numpy(buf)
+            b.bind_ortvalue_input(f"past_{name}.0", value)
+            b.bind_ortvalue_output(f"present_{name}.0", value)
+        b.bind_cpu_input("qkv", np.ascontiguousarray(qkv[:, :rows]))
+        b.bind_cpu_input("position_ids", (past + np.arange(rows))[None].astype(np.int64))
+        b.bind_cpu_input("past_len", np.array([past], np.int64))
+        b.bind_cpu_input("tree_mask", Tree.chain(rows - 1).mask[None])
+        sess.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()[0], k
+
+    one, k_one = run(1)
+    many, k_many = run(chain)
+    assert one.shape == (1, 1, cfg.num_heads * cfg.head_dim) and many.shape[1] == chain
+    assert np.array_equal(one[0, 0], many[0, 0])
+    assert np.array_equal(k_one[:, :, : past + 1], k_many[:, :, : past + 1])
 
 
 def test_a_graph_it_cannot_lower_is_left_alone(built):
