@@ -134,9 +134,12 @@ gpu-check: setup
 
 # The OpenAI-compatible server over the default bundle (Ctrl-C to stop); PORT, SLOTS, DRAFTER.
 PORT ?= 8000
-SLOTS ?= 8
-serve: $(BUNDLE)/manifest.json
-	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS)
+SLOTS ?= 16
+# The fastest exact serving here: the fused backend batches one row per sequence (docs/performance.md)
+SERVE_BACKEND ?= ort-fused
+serve: build
+	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS) \
+		--backend $(SERVE_BACKEND)
 
 # A real Triton Inference Server (nvidia-pytriton's tritonserver, CPU) over the default bundle (Ctrl-C to stop):
 # HTTP on PORT, gRPC on PORT+1, metrics on PORT+2; INSTANCES, DRAFTER. nvidia-pytriton goes in without its
@@ -157,7 +160,8 @@ load-serve: build
 	for d in $(LOAD_DRAFTERS); do $(SPECRT) bench-serve $(BUNDLE) --mixed 200 --concurrency 16 --slots 8 \
 		--max-tokens 64 --drafter $$d --threads $(THREADS) --json $(SPECRT_HOME)/bench/load-$$d.json || exit 1; done
 
-# Server throughput and latency at concurrency 1, 4, 8: batched beside batch-1 serving, one run.
-bench-serve: $(BUNDLE)/manifest.json
-	$(SPECRT) bench-serve $(BUNDLE) --drafter $(DRAFTER) --threads $(THREADS) --max-seq-len 1024 \
-		--json $(SPECRT_HOME)/bench/serve.json
+# vLLM's CPU server and `specrt serve` under the same load, one after the other (make setup-peers first):
+# concurrency 1/4/16/32, streamed and not; tok/s, p50/p95, time to first token, texts equal to single-request.
+bench-serve: build setup-peers
+	$(SPECRT) bench-serve $(BUNDLE) --peer vllm --backend $(SERVE_BACKEND) --drafter plain --threads $(THREADS) \
+		--concurrency 1,4,16,32 --requests 32 --max-tokens 128 --json $(SPECRT_HOME)/bench/serve-vllm.json
