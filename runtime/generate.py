@@ -258,17 +258,20 @@ class Generator:
             self.notes.append(text)
 
     @property
+    def batches_exact(self) -> bool:
+        """Does this generator's batching (if it batches) keep every row plain decoding's?"""
+        return self.slots == 1 or self.exactness.plain_batches
+
+    @property
     def exact_batches(self) -> bool:
         """May passes carry drafts (at batch 1, and in batched passes where this generator batches)?"""
-        batches = self.slots == 1 or self.exactness.plain_batches
-        return (self.exactness.lossless and batches) or self.allow_inexact
+        return (self.exactness.lossless and self.batches_exact) or self.allow_inexact
 
     @property
     def lossless(self) -> bool:
         """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
         follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
-        batches = self.slots == 1 or self.exactness.plain_batches
-        return batches and (self.exactness.lossless or self.drafter_name == "plain")
+        return self.batches_exact and (self.exactness.lossless or self.drafter_name == "plain")
 
     @property
     def reference(self) -> Reference:

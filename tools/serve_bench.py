@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specrt.errors import SpecrtError
 
 START_TIMEOUT_S = 900.0  # a vLLM server's first start compiles its model (minutes on 2 cores)
@@ -49,13 +51,7 @@ def percentile(values: list[float], q: float) -> float | None:
     None for no values."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is not within 0..100")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if values else None
 
 
 def count_equal(texts: list[str | None], reference: list[str | None]) -> int:

@@ -69,31 +69,31 @@ class Yield:
         return self.slot.get(slot, self.server)
 
 
-def choose_windows(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts,
-                   yields: Yield) -> str:
-    """"batched" or "windows" for a step over decoding `slots` on a backend that batches windows
-    (arguments as `choose`)."""
+def choose(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts, yields: Yield,
+           batch_windows: bool = False) -> str:
+    """"batched", or the drafts' plan — "windows" where the backend batches windows, else "drafted" — for a
+    step over decoding `slots` (more than one); `batch`: the sequences the batched pass would span (the KV
+    slot range, idle slots in it included); `window_rows[s]`: the rows slot s's draft would have (its last
+    one). A plan whose cost is not measured yet is explored first."""
     batched = costs.get(batch, 1)
     if batched is None:
         return "batched"
-    rows = max(window_rows[s] for s in slots)
-    drafted = any(b == batch and t > 1 for b, t in costs.seconds)
-    windows = costs.get(batch, rows) if drafted else None
-    if windows is None:
-        return "windows"  # explore: this many rows per sequence has not been measured at this batch
-    return "windows" if sum(yields.of(s) for s in slots) / windows > len(slots) / batched else "batched"
+    plan, cost = ("windows", _windows_cost) if batch_windows else ("drafted", _drafted_cost)
+    seconds = cost(slots, batch, window_rows, costs)
+    if seconds is None:
+        return plan
+    return plan if sum(yields.of(s) for s in slots) / seconds > len(slots) / batched else "batched"
 
 
-def choose(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts, yields: Yield) -> str:
-    """"batched" or "drafted" for a step over decoding `slots` (more than one); `batch`: the sequences the
-    batched pass would span (the KV slot range, idle slots in it included); `window_rows[s]`: the rows
-    slot s's drafted window would have (its last one)."""
-    batched = costs.get(batch, 1)
-    if batched is None:
-        return "batched"  # explore: the single-row pass over these slots has not been measured yet
-    drafted = [costs.get(1, window_rows[s]) for s in slots]
-    if any(c is None for c in drafted):
-        return "drafted"
-    rate_batched = len(slots) / batched
-    rate_drafted = sum(yields.of(s) for s in slots) / sum(drafted)
-    return "drafted" if rate_drafted > rate_batched else "batched"
+def _windows_cost(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts) -> float | None:
+    """One pass over `batch` sequences, every window padded to the longest (None until a drafted pass at
+    this batch was measured)."""
+    if not any(b == batch and t > 1 for b, t in costs.seconds):
+        return None
+    return costs.get(batch, max(window_rows[s] for s in slots))
+
+
+def _drafted_cost(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts) -> float | None:
+    """One batch-1 pass per slot over its own window (None until each such shape was measured)."""
+    each = [costs.get(1, window_rows[s]) for s in slots]
+    return None if any(c is None for c in each) else sum(each)

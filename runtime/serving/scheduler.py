@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrt.engines.registry import backend_entry
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import WINDOW_MARGIN, Generator
@@ -163,8 +164,6 @@ class Scheduler:
         # sequences per verify pass, the latest BATCH_HISTORY (for the bench and tests; bounded: a server
         # runs for days — the metrics' histogram keeps the whole story)
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_HISTORY)
-        from specrt.engines.registry import backend_entry
-
         self.batch_windows = backend_entry(gen.backend).batch_windows
         self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()
         self.plans = {"batched": 0, "drafted": 0, "windows": 0}  # steps of each plan (pass_policy.py)
@@ -338,10 +337,9 @@ class Scheduler:
         if all(getattr(s.drafter, "name", "") == "plain" for s in live):
             plan = "batched"
         else:
-            policy = pass_policy.choose_windows if self.batch_windows else pass_policy.choose
             batch = live[-1].index - live[0].index + 1
-            plan = policy([s.index for s in live], batch, {s.index: s.window_rows for s in live}, self.costs,
-                          self.yields)
+            plan = pass_policy.choose([s.index for s in live], batch, {s.index: s.window_rows for s in live},
+                                      self.costs, self.yields, self.batch_windows)
         self.plans[plan] += 1
         if plan == "batched":
             self._run_step(live, depth_cap=0)

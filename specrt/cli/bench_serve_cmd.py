@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from specrt.cli.options import bundle_argument, make_generator, runtime_options
-from specrt.tools.serve_bench import SERVERS
+from specrt.tools.serve_bench import SERVERS, write_json
 
 
 @click.command("bench-serve")
@@ -56,7 +54,7 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
     click.echo(f"drafter {gen.drafter_name}, {n_requests} requests × ≤{max_tokens} tokens, {gen.threads} threads")
     click.echo(format_rows(rows))
     if json_out:
-        _write_json(json_out, {"drafter": gen.drafter_name, "rows": rows})
+        write_json(json_out, {"drafter": gen.drafter_name, "rows": rows})
 
 
 def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out, runtime):
@@ -80,7 +78,7 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
     for body, got, want in report.mismatches[:3]:
         click.echo(f"  MISMATCH {body}: {got!r} != plain {want!r}", err=True)
     if json_out:
-        _write_json(json_out, {"drafter": name, "slots": slots, **dataclasses.asdict(report)})
+        write_json(json_out, {"drafter": name, "slots": slots, **dataclasses.asdict(report)})
     if report.errors or report.mismatches:
         raise SystemExit(1)
 
@@ -90,7 +88,7 @@ def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime)
     from tqdm import tqdm
 
     from specrt.cli.options import resolve_bundle
-    from specrt.tools.serve_bench import compare, format_table, write_json
+    from specrt.tools.serve_bench import compare, format_table
 
     path = resolve_bundle(bundle)
     result = compare(path, peer, drafter, prompts, max_tokens, levels, runtime["threads"], runtime["max_seq_len"],
@@ -118,13 +116,3 @@ def _runtime_flags(runtime: dict) -> list[str]:
         elif value is not None:
             flags += [p.opts[0], str(value)]
     return flags
-
-
-def _write_json(path: str, obj: dict) -> None:
-    """Written whole or not at all (a temporary file beside it, then renamed)."""
-    import os
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    os.replace(tmp, path)

@@ -170,11 +170,11 @@ def test_windows_in_one_batched_pass_back_off_when_they_do_not_pay():
     """A backend that batches windows: drafts ride in the one pass while they commit more per second."""
     costs, yields = pass_policy.PassCosts(), pass_policy.Yield(prior=3.0)
     slots, windows = [0, 1, 2, 3], {s: 6 for s in range(4)}
-    assert pass_policy.choose_windows(slots, 4, windows, costs, yields) == "batched"  # explore c(4, 1)
+    assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "batched"  # explore c(4, 1)
     costs.observe(4, 1, 0.020)
-    assert pass_policy.choose_windows(slots, 4, windows, costs, yields) == "windows"  # explore c(4, 6)
+    assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "windows"  # explore c(4, 6)
     costs.observe(4, 6, 0.060)
     # windows: 12 tokens / 60 ms = 200 tok/s; batched: 4 / 20 ms = 200 tok/s — a tie keeps the single rows
-    assert pass_policy.choose_windows(slots, 4, windows, costs, yields) == "batched"
+    assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "batched"
     costs.observe(4, 6, 0.030)  # cheaper windows (smoothed: 54 ms → 12 / 54 ms = 222 tok/s)
-    assert pass_policy.choose_windows(slots, 4, windows, costs, yields) == "windows"
+    assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "windows"
