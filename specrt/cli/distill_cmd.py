@@ -37,8 +37,13 @@ def _interrupt(signum, frame):
               help="CPU threads (default: every core; fewer when other work shares the machine).")
 @click.option("--store", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Store folder. Default: one per target and settings under $SPECRT_HOME/train/cache.")
+@click.option("--features-from", "features_from", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              default=None, help="A bundle: recompute every position's hidden states, tapped layers and top-k with "
+                                 "its own target graph (the features the runtime gives a drafter) into --features-store.")
+@click.option("--features-store", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where --features-from writes (default: the store's folder name + '-graph').")
 def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, quant_engine, slots, threads,
-            store):
+            store, features_from, features_store):
     """Build a distillation store: the target's answers to the corpus (held-out prompts once, greedy; training
     prompts in rounds, the first greedy, later ones sampled), with its hidden states (fp16) and top-k
     next-token distributions at every position, in memory-mapped shards that `specrt train --store` reads."""
@@ -66,4 +71,14 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
     rate = summary.get("tokens_per_second")
     click.echo(f"store {root}: {summary['answer_tokens']:,} answer tokens ({summary.get('made', 0):,} made in "
                f"{summary.get('seconds', 0):.0f}s{f', {rate:.0f} tok/s' if rate else ''})")
+    if features_from is not None:
+        from specrt.export.training.graph_features import featurize_store
+
+        out = features_store or root.with_name(root.name + "-graph")
+        feats = featurize_store(root, out, features_from, threads)
+        with runs.open("a") as f:
+            f.write(json.dumps({"features": feats}) + "\n")
+        click.echo(f"features from {features_from}'s target graph: {out} ({feats['rows_per_second']:.0f} rows/s; the "
+                   f"graph's argmax is the stored answer token at {feats['argmax_is_stored_next_token']:.1%} of rows)")
+        root = out
     click.echo(f"next: specrt train KIND --store {root}")
