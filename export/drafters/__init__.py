@@ -50,14 +50,23 @@ def build(cfg, target: DecoderLM, dec: DecoderConfig | None = None):
     return module
 
 
-def save(module, folder: Path) -> None:
-    """config.json + model.safetensors, written to a temporary folder then renamed."""
+SAVE_DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+
+def save(module, folder: Path, dtype: str = "fp32") -> None:
+    """config.json + model.safetensors (floating weights as `dtype`: fp32 or fp16), written to a
+    temporary folder then renamed. Loading converts them back to the module's fp32."""
+    import torch
     from safetensors.torch import save_file
 
     from specrt.export.bundle import atomic_dir
 
     with atomic_dir(Path(folder)) as tmp:
-        state = {k: v.detach().contiguous() for k, v in module.trainable_state().items()}
+        if dtype not in SAVE_DTYPES:
+            raise SpecrtError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
+        want = getattr(torch, SAVE_DTYPES[dtype])
+        state = {k: (v.to(want) if v.is_floating_point() else v).detach().contiguous()
+                 for k, v in module.trainable_state().items()}
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "kind": module.cfg.kind})
         meta = {**asdict(module.cfg), "decoder": module.dec.to_dict()}  # the dims it was made for
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
@@ -93,6 +102,8 @@ def load(folder: Path, target: DecoderLM):
         raise SpecrtError(f"{weights} is missing: the drafter checkpoint is incomplete; train or copy it again")
     check_safetensors(weights, "train or copy the checkpoint again")
     load_state(module, load_file(weights), weights)
+    if hasattr(module, "attach_head"):  # a head sliced from the target once the draft vocabulary is loaded
+        module.attach_head(target)
     return module.eval()
 
 

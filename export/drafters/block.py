@@ -31,6 +31,7 @@ class BlockConfig:
     block_size: int = 4  # tokens drafted per pass (depth 1 from the newest committed row, K-1 mask rows)
     taps: list[int] = field(default_factory=list)  # target layers whose inputs are fused (EAGLE-3's)
     draft_vocab_size: int = 0  # 0: the target's vocabulary
+    head_from_target: bool = False  # as EAGLE-3's: the target's rows of the draft vocabulary, not stored
 
 
 class BlockHead(Eagle3Head):

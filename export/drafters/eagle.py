@@ -41,6 +41,9 @@ class Eagle3Config:
     kind: str = "eagle3"
     taps: list[int] = field(default_factory=list)  # target layers whose *inputs* are fused
     draft_vocab_size: int = 0  # 0: the target's vocabulary
+    # the head is the target's LM-head rows of the draft vocabulary, frozen, and not stored: a checkpoint
+    # keeps d2t and slices the rows from the target when it loads (specrt's own training does this)
+    head_from_target: bool = False
 
 
 def default_taps(num_layers: int) -> list[int]:
@@ -91,9 +94,22 @@ class Eagle3Head(FeatureDrafter):
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))  # target id - draft id
 
+        if cfg.head_from_target:
+            self.lm_head.weight.requires_grad_(False)
+
     @property
     def layer(self):
         return self.midlayer
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        state = super().trainable_state()
+        return {k: v for k, v in state.items() if k != "lm_head.weight"} if self.cfg.head_from_target else state
+
+    def attach_head(self, target) -> None:
+        """With `head_from_target`: the head becomes the target's rows of the draft vocabulary (d2t)."""
+        if self.cfg.head_from_target:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(target.lm_head.weight[self.target_ids()])
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features [.., len(taps)*H] -> the layer's hidden input [.., H]."""
@@ -111,8 +127,9 @@ class Eagle3Head(FeatureDrafter):
 
 
 def eagle3_options(options: dict, data, vocab: torch.Tensor) -> dict:
-    """EAGLE-3 reads the target layers the distillation data recorded, over the label vocabulary."""
-    return {**options, "taps": list(data.taps), "draft_vocab_size": len(vocab)}
+    """EAGLE-3 reads the target layers the distillation data recorded, over the label vocabulary; its head
+    is the target's rows of that vocabulary unless `head_from_target` is set false."""
+    return {"head_from_target": True, **options, "taps": list(data.taps), "draft_vocab_size": len(vocab)}
 
 
 def eagle3_warm_start(module: Eagle3Head, target, vocab: torch.Tensor) -> None:

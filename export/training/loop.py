@@ -45,6 +45,7 @@ class TrainSettings:
     max_new_tokens: int = 160
     max_prompts: int | None = None  # use the first N corpus prompts (tests, quick runs)
     precision: str = "auto"  # auto | bf16 | fp32 (export/training/precision.py)
+    save_dtype: str = "fp32"  # the checkpoint's weights: fp32, or fp16 (half the size: a committed drafter)
     options: dict = field(default_factory=dict)  # kind config fields, e.g. num_heads
 
 
@@ -54,6 +55,13 @@ def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> t
     for the others it only bounds the training LM-head cost (their graphs keep the full head)."""
     counts = top1 + 1e-3 * anywhere
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
+
+
+def coverage_by_size(top1: torch.Tensor, sizes=(1024, 2048, 4096, 8192, 16384, 32768)) -> dict[str, float]:
+    """The share of the target's top-1 choices the N most frequent ones cover, per N: what a draft
+    vocabulary of N tokens can propose at most."""
+    ranked = top1.sort(descending=True).values.cumsum(0) / top1.sum().clamp(min=1)
+    return {str(n): round(float(ranked[min(n, len(ranked)) - 1]), 4) for n in sizes}
 
 
 def lr_scale(step: int, total: int, seconds: float, limit_seconds: float, warmup: int = 50) -> float:
@@ -119,7 +127,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     total = max(1, int(settings.epochs * per_epoch))
     eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
     rng = torch.Generator().manual_seed(settings.seed)
-    curve, t0, step, cut, seen = [], time.perf_counter(), 0, False, 0
+    curve, t0, step, cut, seen, train_seconds = [], time.perf_counter(), 0, False, 0, 0.0
     limit = settings.max_minutes * 60
     eval_every = limit / settings.evals  # also by time: a run the limit cuts keeps a curve
     last_eval = t0
@@ -129,6 +137,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         if not order:
             order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
         seqs, order = order[: settings.batch_seqs], order[settings.batch_seqs :]
+        t_step = time.perf_counter()
         batch = Batch(data, seqs, label_index)
         seen += int(batch.length.sum())
         scale = lr_scale(step, total, time.perf_counter() - t0, limit)
@@ -143,6 +152,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         step += 1
         bar.update()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        train_seconds += time.perf_counter() - t_step
         cut = time.perf_counter() - t0 > limit
         if step in eval_at or cut or step == total or time.perf_counter() - last_eval > eval_every:
             module.eval()
@@ -150,6 +160,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
             module.train()
             point = {"step": step, "epochs": round(step / per_epoch, 3), "tokens_seen": seen,
                      "seconds": round(time.perf_counter() - t0, 1),
+                     "train_tokens_per_second": round(seen / max(train_seconds, 1e-9), 1),
                      "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
                      "tau_est": round(chain_tau(accs), 3)}
             curve.append(point)
@@ -159,13 +170,14 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
                 break
     bar.close()
     module.eval()
-    drafters.save(module, out)
+    drafters.save(module, out, settings.save_dtype)
     metrics = {"kind": kind, "settings": asdict(settings), "lr": lr,
                "precision": METRICS_NAME[precision], "steps_done": step, "cut_by_max_minutes": cut,
                "branches": {"train_precision": precision_record, "aten_dispatch": aten_dispatch()},
                "train_sequences": len(train_seqs), "heldout_sequences": len(held),
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),
+               "top1_coverage_by_vocab_size": coverage_by_size(top1),
                "curve": curve, "final": curve[-1]}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot_curves({kind: metrics}, out / "tau_curve.png", f"specrt train {kind}")

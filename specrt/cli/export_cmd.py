@@ -11,6 +11,19 @@ from specrt.kinds import learned_kinds
 from specrt.paths import default_bundle
 
 
+def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
+    """--drafter KIND or KIND=FOLDER -> (kind, folder or None); an unknown kind is refused by name."""
+    out = []
+    for value in values:
+        kind, sep, folder = value.partition("=")
+        if kind not in learned_kinds():
+            raise click.BadParameter(f"{kind!r} is not a learned drafter kind: choose one of {', '.join(learned_kinds())}")
+        if sep and not Path(folder).is_dir():
+            raise click.BadParameter(f"{value}: {folder} is not a checkpoint folder")
+        out.append((kind, Path(folder) if sep else None))
+    return out
+
+
 @click.command("export")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="Hugging Face model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
@@ -22,11 +35,10 @@ from specrt.paths import default_bundle
                    "as the draft model; 0: none. Default: 4, or the target's layers - 1 when it has fewer than 5.")
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None,
               help="Export this model (same tokenizer) as the draft instead of a truncated copy.")
-@click.option("--drafter", "drafter_kinds", multiple=True,
-              type=click.Choice(learned_kinds()),
-              help="Add a learned drafter (repeatable). Its weights come from --drafter-weights, else from "
-                   "`specrt train KIND`'s output ($SPECRT_HOME/drafters/KIND). 'draft' replaces the plain "
-                   "truncated copy by the fine-tuned one.")
+@click.option("--drafter", "drafter_kinds", multiple=True, metavar="KIND[=FOLDER]", callback=_drafter_specs,
+              help="Add a learned drafter (repeatable): KIND (" + ", ".join(learned_kinds()) + "), its weights from "
+                   "FOLDER, else --drafter-weights, else `specrt train KIND`'s output ($SPECRT_HOME/drafters/KIND). "
+                   "'draft' replaces the plain truncated copy by the fine-tuned one.")
 @click.option("--drafter-weights", type=click.Path(path_type=Path), default=None,
               help="Checkpoint folder for the (single) --drafter: a specrt checkpoint or a public Medusa / "
                    "EAGLE / EAGLE-3 / MTP layout (safetensors, or .bin read with weights_only).")
@@ -43,7 +55,7 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     out = output if output is not None else default_bundle()
     if drafter_weights is not None and len(drafter_kinds) != 1:
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
-    learned = tuple((k, drafter_weights) for k in dict.fromkeys(drafter_kinds))
+    learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())
     opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,
                          quantize=quantize)

@@ -56,8 +56,13 @@ def _target_source(target: Path | None) -> Path:
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Compute precision: bf16 autocast (fp32 weights) or fp32. auto: bf16 where the CPU computes "
                    "bf16 natively, else fp32, unless SPECRT_TRAIN_PRECISION names one. Recorded in metrics.json.")
+@click.option("--draft-vocab", type=click.IntRange(min=16), default=8192, show_default=True,
+              help="Draft vocabulary: the N most frequent target top-1 tokens of the data (metrics.json records the "
+                   "coverage of 1k..32k). EAGLE-3 and block heads cover only these; the other kinds score over them.")
+@click.option("--save-dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="The checkpoint's weights (fp16: half the size, for a drafter to commit or ship).")
 def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, seed, prompts, max_prompts,
-            max_new_tokens, settings, store, precision):
+            max_new_tokens, settings, store, precision, draft_vocab, save_dtype):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
     from specrt import kinds
@@ -95,7 +100,8 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
     default_epochs = 1.0 if store else kinds.kind(kind).training.epochs
     s = TrainSettings(kind=kind, epochs=epochs or default_epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
-                      max_prompts=max_prompts, precision=precision, options=options)
+                      max_prompts=max_prompts, precision=precision, options=options, draft_vocab=draft_vocab,
+                      save_dtype=save_dtype)
     if data is not None:
         from specrt.export.training.loop import train
 

@@ -338,6 +338,19 @@ def test_drafter_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer
     assert_nothing_written(out)
 
 
+def test_export_drafter_kind_equals_folder_reads_that_folder(tmp_path, tokenizer_dir):
+    folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
+    ck = tiny_medusa_checkpoint(tmp_path / "ck", folder)
+    out = tmp_path / "out"
+    proc = specrt("export", "--model", folder, "-o", out / "b", "--drafter", f"medusa={ck}", "--no-parity-check")
+    assert_one_line_error(proc, str(ck / "model.safetensors"), "not a safetensors file")  # KIND=FOLDER was read
+    assert_nothing_written(out)
+    assert_usage_error(specrt("export", "--model", folder, "-o", out / "b", "--drafter", "bogus=x"), "--drafter",
+                       "'bogus' is not a learned drafter kind", "eagle3")
+    assert_usage_error(specrt("export", "--model", folder, "-o", out / "b", "--drafter", f"medusa={tmp_path / 'no'}"),
+                       "--drafter", "is not a checkpoint folder")
+
+
 def test_model_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer_dir):
     folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
     (folder / "model.safetensors").write_bytes(pickle.dumps({"model.embed_tokens.weight": [0.0] * 8}))

@@ -177,3 +177,26 @@ def test_missing_or_bad_checkpoint_files_fail_clearly(tmp_path, target):
         drafters.make_config("medusa", bogus=1)
     with pytest.raises(SpecrtError, match="unknown drafter kind"):
         drafters.make_config("lookahead")
+
+
+def test_an_eagle3_head_from_the_target_is_sliced_not_stored(tmp_path, target):
+    from safetensors.torch import load_file
+
+    from specrt.export.drafters.eagle import eagle3_warm_start
+
+    vocab = torch.tensor([3, 7, 11, 40, 90])
+    module = drafters.build(drafters.make_config("eagle3", taps=[0, 1], draft_vocab_size=5, head_from_target=True),
+                            target)
+    eagle3_warm_start(module, target, vocab)
+    randomized(module)  # the head is frozen: it keeps the target's rows
+    torch.testing.assert_close(module.lm_head.weight, target.lm_head.weight[vocab], atol=0, rtol=0)
+    drafters.save(module, tmp_path / "ck", "fp16")
+    stored = load_file(tmp_path / "ck" / "model.safetensors")
+    assert "lm_head.weight" not in stored and stored["d2t"].dtype == torch.int64
+    assert all(v.dtype == torch.float16 for k, v in stored.items() if k != "d2t")  # half the size
+    loaded = drafters.load(tmp_path / "ck", target)
+    torch.testing.assert_close(loaded.lm_head.weight, target.lm_head.weight[vocab], atol=0, rtol=0)
+    for k, v in module.trainable_state().items():  # fp16 storage: within its rounding
+        torch.testing.assert_close(loaded.state_dict()[k].float(), v.float(), atol=1e-3, rtol=2**-10, msg=k)
+    with pytest.raises(SpecrtError, match="checkpoint dtype"):
+        drafters.save(module, tmp_path / "bad", "int8")
