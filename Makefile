@@ -24,15 +24,19 @@ TRAIN_MINUTES ?= 20
 # Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
 STORE ?= $(SPECRT_HOME)/train/store
 DISTILL_TOKENS ?= 1000000
-TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors)
+# The drafter shipped for the default model (weights in git; `make train-shipped` reproduces it). One
+# trained under $(SPECRT_HOME)/drafters of the same kind takes its place.
+SHIPPED_DRAFTERS ?= drafters/smollm2-135m-instruct
+TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors $(SHIPPED_DRAFTERS)/*/model.safetensors)
 # evaluated when the recipe runs, so drafters trained earlier in the same `make` are included
 DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f "$$f" ] && \
-	echo --drafter $$(basename $$(dirname "$$f")); done)
+	echo --drafter $$(basename $$(dirname "$$f")); done; for d in $(SHIPPED_DRAFTERS)/*; do k=$$(basename "$$d"); \
+	[ -f "$$d/model.safetensors" ] && [ ! -f "$(SPECRT_HOME)/drafters/$$k/model.safetensors" ] && echo --drafter "$$k=$$d"; done)
 
-.PHONY: distill serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: train-shipped distill serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | distill | train | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | distill | train | train-shipped | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,14 +101,21 @@ bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 tune: build
 	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
-# The target's answers at scale (resumable: run it again to go on after a stop).
-distill: setup
-	$(SPECRT) distill --tokens $(DISTILL_TOKENS) --store $(STORE)
+# The target's answers at scale (resumable: run it again to go on after a stop), then every position's
+# features recomputed by the bundle's own int4 target graph (what the runtime feeds a drafter): $(STORE)-graph.
+distill: build
+	$(SPECRT) distill --tokens $(DISTILL_TOKENS) --store $(STORE) --features-from $(BUNDLE)
 
-# Self-distil every drafter kind for the default model on the distilled store (≤ TRAIN_MINUTES each).
+# Self-distil every drafter kind for the default model on the graph-featured store (≤ TRAIN_MINUTES each).
 train: distill
-	for k in $(KINDS); do $(SPECRT) train $$k --store $(STORE) --max-minutes $(TRAIN_MINUTES) || exit 1; done
-	$(SPECRT) export -o $(BUNDLE) $(DRAFTER_FLAGS)
+	for k in $(KINDS); do $(SPECRT) train $$k --store $(STORE)-graph --max-minutes $(TRAIN_MINUTES) || exit 1; done
+	$(SPECRT) export -o $(BUNDLE) $(if $(QUANTIZE),--quantize $(QUANTIZE)) $(DRAFTER_FLAGS)
+
+# The shipped drafter, trained again with the command its metrics.json records (SHIPPED_TRAIN_FLAGS).
+SHIPPED_KIND ?= eagle3
+SHIPPED_TRAIN_FLAGS ?= --epochs 30 --max-minutes 17 --batch 8 --lr 1e-3 --steps 3 --save-dtype fp16
+train-shipped: distill
+	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE)-graph $(SHIPPED_TRAIN_FLAGS) -o $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND)
 
 # Learned drafters on the held-out prompts (2 per category), side by side with plain and ngram.
 bench-drafters: build
