@@ -61,10 +61,10 @@ def save(module, folder: Path, dtype: str = "fp32") -> None:
 
     from specrt.export.bundle import atomic_dir
 
+    if dtype not in SAVE_DTYPES:
+        raise SpecrtError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
+    want = getattr(torch, SAVE_DTYPES[dtype])
     with atomic_dir(Path(folder)) as tmp:
-        if dtype not in SAVE_DTYPES:
-            raise SpecrtError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
-        want = getattr(torch, SAVE_DTYPES[dtype])
         state = {k: (v.to(want) if v.is_floating_point() else v).detach().contiguous()
                  for k, v in module.trainable_state().items()}
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "kind": module.cfg.kind})

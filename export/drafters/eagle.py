@@ -93,7 +93,6 @@ class Eagle3Head(FeatureDrafter):
         self.norm = RMSNorm(h, dec.rms_norm_eps)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))  # target id - draft id
-
         if cfg.head_from_target:
             self.lm_head.weight.requires_grad_(False)
 

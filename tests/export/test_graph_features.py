@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from specrt.errors import SpecrtError
 from specrt.export.training.corpus import load_prompts
 from specrt.export.training.distill import build_store
-from specrt.export.training.graph_features import featurize_store, tapped_graph, top_k
+from specrt.export.training.graph_features import featurize_store, tapped_graph
 from specrt.export.training.store import MappedData
 
 TAPS = (2, 15, 27)
@@ -75,11 +74,3 @@ def test_a_graph_without_the_exporters_layer_names_is_refused(tmp_path):
     with pytest.raises(SpecrtError, match="export the bundle again"):
         tapped_graph(path, (0,), tmp_path / "out")
 
-
-def test_top_k_is_the_softmax_of_the_largest_logits_in_order():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(5, 300)).astype(np.float32)
-    ids, p = top_k(logits)
-    want = torch.from_numpy(logits).softmax(-1).topk(16)
-    assert ids.tolist() == want.indices.tolist()
-    np.testing.assert_allclose(p, (want.values / want.values.sum(-1, keepdim=True)).numpy(), rtol=2e-3)
