@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[export,dev]"
+	$(PY) -m pip install --quiet -e ".[export,serve,dev]"
 	touch $@
 
 $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/.installed

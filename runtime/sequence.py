@@ -6,7 +6,7 @@
         ...                                 propose → verify → accept → commit (see "the step" below)
 
 `run(pass) -> outputs` is one batch-1 target pass (`Generator.run_pass`). The serving scheduler
-(runtime/serving/) batches the verify pass over many sequences instead, so it calls the halves of a
+(serving/) batches the verify pass over many sequences instead, so it calls the halves of a
 step itself: `p = seq.plan()` (propose), its batched pass (verify), `seq.commit(p, logits, outs)`
 (accept + commit). Both run exactly this code, so a served request commits the same tokens as
 `specrt generate` would.

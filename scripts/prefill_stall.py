@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.scheduler import Scheduler
+from specrt.serving.scheduler import Scheduler
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
 

@@ -1,4 +1,4 @@
-"""runtime/cpp (CMake project: greedy_accept_test here, specrt_verify skipped without TensorRT) and
+"""cpp (CMake project: greedy_accept_test here, specrt_verify skipped without TensorRT) and
 scripts/gpu_check.py (exits 2 without a CUDA GPU)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from specrt.runtime.tree import Tree
 
 ROOT = Path(__file__).resolve().parents[1]
-CPP = ROOT / "runtime" / "cpp"
+CPP = ROOT / "cpp"
 
 needs_cmake = pytest.mark.skipif(
     shutil.which("cmake") is None or not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
@@ -32,7 +32,7 @@ def _configure(build: Path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cpp_build(tmp_path_factory):
-    """Configure and build runtime/cpp once; returns (build dir, configure output)."""
+    """Configure and build cpp once; returns (build dir, configure output)."""
     if shutil.which("cmake") is None or not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("cmake or a C++ compiler is not installed")
     build = tmp_path_factory.mktemp("cpp_build")

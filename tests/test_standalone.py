@@ -1,5 +1,5 @@
 """`specrt-run` works from a plain `pip install specrt` (no extras) in a fresh virtual environment:
-no torch, no transformers, and its greedy output equals the in-process runtime's.
+no torch, no transformers, no HTTP server stack, and its greedy output equals the in-process runtime's.
 
 The venv is made once for this module (about 30 s with a warm pip cache). The package is built from a copy
 of the working tree, so the build's `build/` and `*.egg-info` land there and never in the repository.
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Name three colors."
 # installed `specrt/<key>` <- repository folder `<value>` (pyproject's [tool.setuptools] package-dir)
-SOURCE_ROOTS = {"": "specrt", "export": "export", "runtime": "runtime", "plugins": "plugins", "engines": "engines"}
+SOURCE_ROOTS = {"": "specrt", "export": "export", "runtime": "runtime", "plugins": "plugins", "engines": "engines",
+                "serving": "serving", "deploy": "deploy", "tools": "tools"}
 NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "venv", "artifacts", "build", "dist", "*.egg-info",
                                      "__pycache__", ".pytest_cache", ".ruff_cache", ".whl", ".gl")
 
@@ -66,8 +67,8 @@ def venv(tmp_path_factory) -> Venv:
     return v
 
 
-@pytest.mark.parametrize("module", ["torch", "transformers"])
-def test_no_torch_no_transformers(venv, module):
+@pytest.mark.parametrize("module", ["torch", "transformers", "fastapi", "uvicorn", "prometheus_client"])
+def test_no_torch_no_transformers_no_http_server(venv, module):
     out = venv.run(venv.python, "-c", f"import {module}")
     assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, (
         f"`import {module}` works in the standalone venv: a base dependency pulls it in\n{out.stdout}")
@@ -109,9 +110,12 @@ for m in pkgutil.walk_packages(specrt.__path__, "specrt."):
 bad += [f"{name} got imported" for name in ("torch", "transformers") if name in sys.modules]
 print("\\n".join(bad))
 """
-# the exporter and the Triton kernels need the [export] extra; the Triton server's Python model runs inside
-# Triton (`triton_python_backend_utils`)
-NEED_EXTRAS = ("specrt.export", "specrt.plugins.triton_kernels", "specrt.runtime.serving.triton.model")
+# the exporter and the Triton kernels need the [export] extra, the HTTP server and its load generators the
+# [serve] extra; the Triton server's Python model runs inside Triton (`triton_python_backend_utils`)
+NEED_EXTRAS = ("specrt.export", "specrt.plugins.triton_kernels", "specrt.deploy.triton.model", "specrt.serving.api",
+               "specrt.serving.http", "specrt.serving.guards", "specrt.serving.metrics", "specrt.serving.protocol",
+               "specrt.serving.scheduler",
+               "specrt.tools.loadgen")
 
 
 def test_runtime_modules_import_without_extras(venv):
@@ -130,6 +134,12 @@ def test_help_lists_runtime_commands(venv):
         assert name not in commands, out.stdout
     serve = venv.run(venv.bin / "specrt-run", "serve", "--help")
     assert serve.returncode == 0 and "Usage:" in serve.stdout, serve.stderr[-2000:]
+
+
+def test_serve_without_the_extra_names_it(venv, tiny_bundle):
+    out = venv.run(venv.bin / "specrt-run", "serve", tiny_bundle)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith("specrt-run: error: specrt serve needs") and "specrt[serve]" in out.stderr, out.stderr
 
 
 def test_generate_equals_in_process_plain(venv, tiny_bundle):

@@ -34,9 +34,12 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
     --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
+    from specrt.serving import require_http
+
+    require_http("specrt bench-serve")
     from specrt.cli.bench_cmd import default_prompts
-    from specrt.runtime.serving.loadgen import bench_serve, format_rows
     from specrt.tools.bench import load_prompts
+    from specrt.tools.loadgen import bench_serve, format_rows
 
     concurrency = concurrency or ("1,4,16,32" if peer else "1,4,8")
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
@@ -63,7 +66,7 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
     import numpy as np
     from tqdm import tqdm
 
-    from specrt.runtime.serving.mixed_load import check, mixed_requests, plain_texts, serve_mixed
+    from specrt.tools.mixed_load import check, mixed_requests, plain_texts, serve_mixed
 
     gen = make_generator(bundle, drafter, slots=slots, **runtime)
     name = gen.drafter_name

@@ -25,7 +25,7 @@ import click
               help="Model instances of specrt_generate (each holds its own KV cache).")
 def command(bundle, out, force, drafter, max_seq_len, threads, num_draft_tokens, max_tokens, instances):
     """Write a Triton model repository for BUNDLE at OUT (graph models + a Python-backend generate model)."""
-    from specrt.runtime.serving.triton.repo import ServeSettings, write_triton_repo
+    from specrt.deploy.triton.repo import ServeSettings, write_triton_repo
 
     settings = ServeSettings(drafter=drafter, max_seq_len=max_seq_len, threads=threads,
                              num_draft_tokens=num_draft_tokens, max_tokens=max_tokens, instances=instances)

@@ -40,12 +40,15 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
             max_body_bytes, read_timeout, max_connections, log_level, **runtime):
     """Serve BUNDLE over HTTP: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
     /health and /metrics (Prometheus)."""
+    from specrt.serving import require_http
+
+    require_http("specrt serve")
     import uvicorn
 
-    from specrt.runtime.serving.api import Limits, create_app
-    from specrt.runtime.serving.guards import default_hosts
-    from specrt.runtime.serving.http import uvicorn_config
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import Limits, create_app
+    from specrt.serving.guards import default_hosts
+    from specrt.serving.http import uvicorn_config
+    from specrt.serving.scheduler import Scheduler
 
     hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts else default_hosts(host)
     limits = Limits(max_body_bytes, read_timeout, api_key or None, tuple(hosts))

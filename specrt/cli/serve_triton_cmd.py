@@ -1,6 +1,6 @@
 """`specrt serve-triton`: a real Triton Inference Server (the tritonserver nvidia-pytriton ships; CPU)
 over a bundle or a `specrt export-triton` repository. The mechanics, and how the Python backend's stub
-gets a working Python (numpy<2, specrt), are in runtime/serving/triton/server.py."""
+gets a working Python (numpy<2, specrt), are in deploy/triton/server.py."""
 
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ def command(source, repo, host, http_port, grpc_port, metrics_port, instances, s
             threads, num_draft_tokens, max_tokens, log_verbose, log_file, env_dir, ready_timeout):
     """Serve SOURCE (a bundle, default the default bundle, or a `specrt export-triton` repository) on a real
     Triton Inference Server until Ctrl-C: specrt_generate (and specrt_generate_stream) over HTTP and gRPC."""
+    from specrt.deploy.triton import server as triton
+    from specrt.deploy.triton.repo import GENERATE_MODEL, STREAM_MODEL
     from specrt.errors import SpecrtError
-    from specrt.runtime.serving.triton import server as triton
-    from specrt.runtime.serving.triton.repo import GENERATE_MODEL, STREAM_MODEL
 
     source = resolve_bundle(source)
     bundle_options = {"drafter": drafter, "max_seq_len": max_seq_len, "threads": threads,
@@ -88,9 +88,9 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def _write_repo(bundle: Path, repo: Path | None, instances: int, stream: bool, options: dict) -> Path:
     """The bundle's repository at `repo` (replaced: only an earlier specrt repository, never another folder)."""
+    from specrt.deploy.triton.repo import GENERATE_MODEL, ServeSettings, write_triton_repo
     from specrt.errors import SpecrtError
     from specrt.paths import home
-    from specrt.runtime.serving.triton.repo import GENERATE_MODEL, ServeSettings, write_triton_repo
 
     repo = repo or home() / "triton" / bundle.resolve().name
     if repo.exists() and not (repo / GENERATE_MODEL / "config.pbtxt").is_file():
@@ -102,8 +102,8 @@ def _write_repo(bundle: Path, repo: Path | None, instances: int, stream: bool, o
 
 
 def _check_repo(source: Path, repo: Path | None, options: dict) -> None:
+    from specrt.deploy.triton.repo import GENERATE_MODEL
     from specrt.errors import SpecrtError
-    from specrt.runtime.serving.triton.repo import GENERATE_MODEL
 
     if not (source / GENERATE_MODEL / "config.pbtxt").is_file():
         raise SpecrtError(f"{source} is neither a bundle (manifest.json) nor a specrt Triton repository "
@@ -116,7 +116,7 @@ def _check_repo(source: Path, repo: Path | None, options: dict) -> None:
 
 def _existing_repo(source: Path, instances: int | None) -> Path:
     """`source` as it is, but for the instance count when one is given."""
-    from specrt.runtime.serving.triton.repo import GENERATE_MODEL, STREAM_MODEL, set_instance_count
+    from specrt.deploy.triton.repo import GENERATE_MODEL, STREAM_MODEL, set_instance_count
 
     if instances is not None:
         for model in (GENERATE_MODEL, STREAM_MODEL):

@@ -18,8 +18,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from specrt.cli import cli
+from specrt.deploy.triton.repo import GENERATE_INPUTS, GENERATE_OUTPUTS, PYTHON_MODEL
 from specrt.errors import SpecrtError
-from specrt.runtime.serving.triton.repo import GENERATE_INPUTS, GENERATE_OUTPUTS, PYTHON_MODEL
 from specrt.schema.manifest import Manifest
 
 ONNX_TO_TRITON = {onnx.TensorProto.INT64: model_config_pb2.TYPE_INT64,

@@ -174,9 +174,9 @@ def test_unknown_exec_mode_is_refused(tiny_bundle):
 def test_server_reports_exactness_in_models_and_metrics(tiny_bundle, monkeypatch, allow):
     import httpx
 
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.loadgen import loopback_server
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+    from specrt.tools.loadgen import loopback_server
 
     _inexact(monkeypatch, tiny_bundle)
     gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4, allow_inexact=allow)

@@ -18,7 +18,7 @@ import pytest
 
 from specrt.kinds import kinds, runtime_drafters
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.scheduler import Scheduler
+from specrt.serving.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
 

@@ -273,7 +273,7 @@ def test_served_repeat_of_an_earlier_output_is_drafted_from_the_servers_store(re
     """Request B finishes in slot 1; its repeat lands in slot 0, whose drafter never saw it: only the
     store every slot shares, which the scheduler gives each finished sequence, can draft it."""
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.scheduler import Scheduler
 
     (ids, _), (want, _) = plain_runs
     gen = Generator(real_generator.bundle, "suffix", max_seq_len=512, slots=2, threads=real_generator.threads)

@@ -17,9 +17,9 @@ def tiny_reference(tiny_bundle):
 def served(tiny_bundle):
     """(base URL, scheduler) of a real HTTP server on loopback over the tiny bundle (ngram, 4 slots)."""
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.loadgen import loopback_server as running
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+    from specrt.tools.loadgen import loopback_server as running
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=4), max_waiting=32)
     with running(create_app(scheduler, "tiny", default_max_tokens=16)) as url:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from specrt.runtime.serving.loadgen import loopback_server as running
+from specrt.tools.loadgen import loopback_server as running
 from tests.serving.conftest import slow_model
 
 PROMPT = "The list of colors: red, green, blue, red, green,"
@@ -21,8 +21,8 @@ PASS_S = 0.05  # every target pass: a request of n tokens runs about n × PASS_S
 def server(tiny_bundle):
     """(URL, scheduler): one slot, a queue of 4, slow target passes."""
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=4)
     slow_model(scheduler, PASS_S)

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from specrt.runtime.serving.loadgen import loopback_server as running
+from specrt.tools.loadgen import loopback_server as running
 from tests.serving.conftest import slow_model
 
 PROMPT = "The list of colors: red, green, blue, red, green,"
@@ -167,8 +167,8 @@ def test_health_models_and_metrics(served):
 
 def test_health_is_503_once_the_scheduler_stopped(tiny_bundle):
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1))
     with running(create_app(scheduler, "tiny")) as url:
@@ -183,8 +183,8 @@ def test_health_is_503_once_the_scheduler_stopped(tiny_bundle):
 @pytest.fixture()
 def slow_server(tiny_bundle):
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=0)
     slow_model(scheduler, 0.05)

@@ -4,7 +4,7 @@ picks (runtime/payoff.py), and served greedy output still equals single-request 
 from __future__ import annotations
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.scheduler import Scheduler
+from specrt.serving.scheduler import Scheduler
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4, 9], [7, 8, 9, 10, 7, 8, 9], [20, 21, 22, 20, 21], [5, 5, 5, 5],
            [30, 31, 30, 31, 30], [40, 41, 42, 43, 40, 41], [50, 51, 52, 50], [60, 61, 60, 61, 60, 61]]

@@ -10,8 +10,8 @@ from specrt.engines.registry import BACKENDS
 from specrt.runtime.exactness import judge
 from specrt.runtime.exec_modes import ShapedDecoder, exec_mode
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving import pass_policy
-from specrt.runtime.serving.scheduler import Scheduler
+from specrt.serving import pass_policy
+from specrt.serving.scheduler import Scheduler
 from tests.helpers import built_copy
 
 PROMPTS = ["Say hi. Say hi. Say hi.", "List three colors, then list them again.", "What is 2+2? 2+2 is",

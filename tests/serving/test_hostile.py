@@ -13,9 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from specrt.runtime.serving.api import Limits
-from specrt.runtime.serving.guards import LOOPBACK_HOSTS
-from specrt.runtime.serving.loadgen import loopback_server as running
+from specrt.serving.api import Limits
+from specrt.serving.guards import LOOPBACK_HOSTS
+from specrt.tools.loadgen import loopback_server as running
 
 KEY = "sk-test-5f2b"
 LIMITS = Limits(max_body_bytes=64 << 10, read_timeout_s=0.5, api_key=KEY, allowed_hosts=LOOPBACK_HOSTS)
@@ -26,8 +26,8 @@ PROMPT = "The list of colors: red, green, blue, red, green,"
 @pytest.fixture(scope="module")
 def guarded(tiny_bundle):
     from specrt.runtime.generate import Generator
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), max_waiting=8)
     with running(create_app(scheduler, "tiny", default_max_tokens=8, limits=LIMITS), limits=LIMITS) as url:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.mixed_load import check, mixed_requests, plain_texts, serve_mixed
+from specrt.tools.mixed_load import check, mixed_requests, plain_texts, serve_mixed
 
 PROMPTS = ["The list of colors: red, green, blue, red, green,", "Once upon a time", "1 2 3 4 5 6 7 8",
            "Hello! How are you today?", "def add(a, b):\n    return", "Paris is the capital of"]

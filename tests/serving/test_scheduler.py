@@ -8,8 +8,8 @@ import pytest
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.serving.scheduler import Scheduler, SchedulerFull
 from specrt.runtime.tree import Tree
+from specrt.serving.scheduler import Scheduler, SchedulerFull
 
 PROMPTS = ["Say hi.", "List three colors, then list them again.", "What is 2+2?", "Write a haiku about rain.",
            "Explain what a cat is.", "Count from 1 to 10."]

@@ -10,7 +10,7 @@ import pytest
 
 from specrt.runtime import sequence
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.scheduler import Scheduler, SchedulerFull
+from specrt.serving.scheduler import Scheduler, SchedulerFull
 from tests.serving.conftest import slow_model
 
 PROMPT = "The list of colors: red, green, blue, red, green, blue, red, green, blue, red, green, blue, red"

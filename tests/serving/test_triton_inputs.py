@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from specrt.runtime.serving.triton.repo import GENERATE_INPUTS, PYTHON_MODEL
+from specrt.deploy.triton.repo import GENERATE_INPUTS, PYTHON_MODEL
 from tests.cli.test_export_triton import outputs, python_model, text
 
 PROMPT = "Name three colours."
@@ -18,7 +18,7 @@ MAX_SEQ_LEN = 64
 
 @pytest.fixture(scope="module")
 def model(tiny_bundle):
-    """(model, pb): runtime/serving/triton/model.py initialized over the tiny bundle (draft drafter)."""
+    """(model, pb): deploy/triton/model.py initialized over the tiny bundle (draft drafter)."""
     params = {"bundle": str(tiny_bundle), "drafter": "draft", "max_seq_len": str(MAX_SEQ_LEN), "threads": "1"}
     config = json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})
     with python_model(PYTHON_MODEL, "specrt_triton_model_inputs", {"model_config": config}) as served:

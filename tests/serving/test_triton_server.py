@@ -24,15 +24,15 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli import cli
-from specrt.errors import SpecrtError
-from specrt.runtime.serving.triton import server as triton
-from specrt.runtime.serving.triton.repo import (
+from specrt.deploy.triton import server as triton
+from specrt.deploy.triton.repo import (
     GENERATE_MODEL,
     STREAM_MODEL,
     ServeSettings,
     set_instance_count,
     write_triton_repo,
 )
+from specrt.errors import SpecrtError
 
 HAVE_PYTRITON = importlib.util.find_spec("pytriton") is not None
 needs_tritonserver = pytest.mark.skipif(not HAVE_PYTRITON,

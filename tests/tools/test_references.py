@@ -80,9 +80,9 @@ def test_two_backends_are_two_references(built):
 
 
 def test_v1_models_names_the_reference(built):
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.loadgen import loopback_server
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+    from specrt.tools.loadgen import loopback_server
 
     gen = Generator(built, drafter="plain", max_seq_len=64, backend="ort-fused")
     with loopback_server(create_app(Scheduler(gen), "tiny")) as url:
@@ -162,9 +162,9 @@ def test_bench_backend_baseline_records_each_reference(built):
 
 
 def test_v1_models_exact_to_is_null_when_speculating_inexactly(tiny_bundle, monkeypatch):
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.loadgen import loopback_server
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+    from specrt.tools.loadgen import loopback_server
     from tests.runtime.test_exactness import _inexact
 
     _inexact(monkeypatch, tiny_bundle)  # no mode is exact here, and --allow-inexact speculates anyway

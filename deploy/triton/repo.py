@@ -4,7 +4,7 @@
       README.md                    how to launch and call it
       specrt_generate/             Python backend: the speculative loop (specrt's Generator) per request
         config.pbtxt
-        1/model.py                 runtime/serving/triton/model.py, verbatim
+        1/model.py                 deploy/triton/model.py, verbatim
         1/bundle/...               the bundle (hard links where possible)
       specrt_generate_stream/      with ServeSettings.stream: the same model, decoupled (one response per
         config.pbtxt               text piece; /generate_stream, gRPC streams); reads specrt_generate's bundle

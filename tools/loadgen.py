@@ -15,9 +15,9 @@ import time
 import numpy as np
 
 from specrt.runtime.generate import Generator
-from specrt.runtime.serving.api import Limits, create_app
-from specrt.runtime.serving.http import uvicorn_config
-from specrt.runtime.serving.scheduler import Scheduler
+from specrt.serving.api import Limits, create_app
+from specrt.serving.http import uvicorn_config
+from specrt.serving.scheduler import Scheduler
 
 
 @contextlib.contextmanager

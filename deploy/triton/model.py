@@ -3,7 +3,7 @@
 `specrt export-triton` copies this file verbatim to `specrt_generate/1/model.py` (and, with streaming,
 to `specrt_generate_stream/1/model.py`). It runs inside Triton's Python backend stub
 (`triton_python_backend_utils` exists only there), with specrt installed in the stub's Python
-(`specrt serve-triton` builds that Python: runtime/serving/triton/server.py). Each model instance loads
+(`specrt serve-triton` builds that Python: deploy/triton/server.py). Each model instance loads
 the bundle named by config.pbtxt parameter `bundle` (relative to this file) with specrt's `Generator`
 and answers one request at a time:
 

@@ -13,7 +13,7 @@ its KV slot (or its place in the queue) is free at the scheduler's next step, an
 
 The event loop never does long work: text is bounded by characters before it is tokenized (a text
 longer than context × the longest token cannot fit) and tokenized on a worker thread; bodies, Host
-names, API keys and slow clients are guarded before the API sees a request (runtime/serving/guards.py).
+names, API keys and slow clients are guarded before the API sees a request (serving/guards.py).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specrt.errors import SpecrtError
 from specrt.runtime.logits import check_logit_bias
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.serving import guards
-from specrt.runtime.serving.protocol import ChatRequest, CompletionRequest, describe_errors
-from specrt.runtime.serving.responses import chat_logprobs, completion_logprobs, usage
-from specrt.runtime.serving.scheduler import Handle, Scheduler, SchedulerFull
 from specrt.runtime.text import TextAssembler
+from specrt.serving import guards
+from specrt.serving.protocol import ChatRequest, CompletionRequest, describe_errors
+from specrt.serving.responses import chat_logprobs, completion_logprobs, usage
+from specrt.serving.scheduler import Handle, Scheduler, SchedulerFull
 
 DISCONNECT_POLL_S = 0.2
 ENGINE_FAILED = "the engine failed while generating this request; the server's log has the details"

@@ -3,8 +3,8 @@ servers use the same): h11 with a deadline for request heads, keep-alive and con
 
 from __future__ import annotations
 
-from specrt.runtime.serving.api import Limits
-from specrt.runtime.serving.guards import timed_h11
+from specrt.serving.api import Limits
+from specrt.serving.guards import timed_h11
 
 KEEP_ALIVE_S = 5.0
 MAX_CONNECTIONS = 512  # beyond this uvicorn answers 503 (a client can hold many idle sockets)

@@ -44,10 +44,10 @@ from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import WINDOW_MARGIN, Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
-from specrt.runtime.serving import pass_policy
-from specrt.runtime.serving.metrics import Metrics
 from specrt.runtime.stats import Result
 from specrt.runtime.tree import Tree
+from specrt.serving import pass_policy
+from specrt.serving.metrics import Metrics
 
 
 class SchedulerFull(SpecrtError):

@@ -148,9 +148,9 @@ def serve_mixed(gen, reqs: list[dict], concurrency: int, slots: int | None = Non
                 progress=None):
     """`reqs` through a loopback server over `gen` (its drafter, `slots` KV slots); (report, outcomes,
     scheduler). The report's greedy fields are filled by `check`."""
-    from specrt.runtime.serving.api import create_app
-    from specrt.runtime.serving.loadgen import loopback_server
-    from specrt.runtime.serving.scheduler import Scheduler
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+    from specrt.tools.loadgen import loopback_server
 
     scheduler = Scheduler(gen, max_waiting=len(reqs), max_slots=slots)
     rss: list[float] = []

@@ -1,0 +1,1 @@
+"""Deployment targets around a bundle: a Triton Inference Server model repository (triton/)."""

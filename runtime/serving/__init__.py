@@ -1,1 +1,0 @@
-"""Serving: the continuous-batching scheduler, the OpenAI-compatible HTTP API and its metrics."""
