@@ -1,4 +1,8 @@
-"""Speculative generation over a bundle: the target with its KV cache, the drafters, the loop.
+"""Speculative generation over a bundle: a thin façade over the target, the drafters and the loop.
+
+    TargetModel  runtime/target.py    manifest, integrity, tokenizer, exactness, decoder, KV capacity
+    DrafterPool  runtime/pool.py      drafter instances, adaptive controllers, auto's choices, serving slots
+    SpecSettings runtime/settings.py  draft tokens, tree, adaptive depth, drafter options (frozen)
 
 `Generator.stream` drives one `Sequence` with batch-1 target passes (`run_pass`):
 
@@ -8,7 +12,8 @@
 
 The step itself, with its maths (greedy walk, rejection sampling, KV compaction and rollback), is
 on one page in runtime/sequence.py. Greedy output equals plain greedy decoding ("plain" proposes
-nothing: one token per pass); sampled output follows the target's (warped) distribution.
+nothing: one token per pass); sampled output follows the target's (warped) distribution. The target
+runs on any backend of engines/registry.py; drafters on ONNX Runtime, CPU.
 """
 
 from __future__ import annotations
@@ -18,44 +23,24 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.registry import backend_entry, open_decoder
-from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
-from specrt.runtime.drafters import DrafterContext, make_drafter
+from specrt.runtime.drafters import Drafter
 from specrt.runtime.drafters.features import TargetState
-from specrt.runtime.exactness import Exactness, resolve
-from specrt.runtime.exec_modes import shaped
-from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick, payoff
+from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick
+from specrt.runtime.pool import DrafterPool, Key, candidates
 from specrt.runtime.reference import Reference
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.sequence import Pass, Sequence, pack_windows
+from specrt.runtime.sequence import Pass, Sequence
+from specrt.runtime.settings import Request, SpecSettings
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
+from specrt.runtime.target import WINDOW_MARGIN, TargetModel, kv_capacity  # noqa: F401  (re-exported)
 from specrt.runtime.text import TextAssembler
-from specrt.runtime.tokenizer import Tokenizer
-from specrt.runtime.tree import Tree, resolve_tree
-from specrt.schema.integrity import verify_bundle
-from specrt.schema.manifest import Manifest
-
-WINDOW_MARGIN = 66  # KV rows beyond capacity for padded batched windows: root + up to 64 nodes (+1 spare)
-
-
-def kv_capacity(max_seq_len: int | None, cfg) -> int:
-    """KV rows per sequence: `max_seq_len`, default min(2048, the model's maximum), never past the positions
-    the model was trained for (max_position_embeddings)."""
-    if max_seq_len is None:
-        return min(2048, cfg.max_position_embeddings)
-    if int(max_seq_len) < 2:
-        raise SpecrtError(f"--max-seq-len {max_seq_len} is too small: it must be at least 2")
-    if int(max_seq_len) > cfg.max_position_embeddings:
-        raise SpecrtError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
-                          f"{cfg.max_position_embeddings} (manifest.json): use --max-seq-len "
-                          f"{cfg.max_position_embeddings} or less")
-    return int(max_seq_len)
+from specrt.runtime.tree import Tree
 
 
 class Generator:
     """Speculative generation with a named drafter, or `auto` (each request the drafter whose measured
-    pay-off is highest: runtime/payoff.py), over a bundle's target graph (ONNX Runtime, CPU)."""
+    pay-off is highest: runtime/payoff.py), over a bundle's target graph."""
 
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
@@ -73,77 +58,73 @@ class Generator:
         and batching fall back to plain batch-1 decoding (the exact path) with a note in `notes`,
         unless `allow_inexact`. `verify`: hash every file against manifest.json again, not only the ones
         changed since they were last verified on this machine (schema/integrity.py)."""
-        self.bundle = Path(bundle)
-        self.manifest = Manifest.load(self.bundle)
-        verify_bundle(self.bundle, self.manifest, full=verify)
-        cfg = self.manifest.target.config
-        self.capacity = kv_capacity(max_seq_len, cfg)
+        self.model = TargetModel(bundle, max_seq_len, threads, backend, exec_mode, slots, allow_inexact, verify)
         self.acceptance = acceptance
-        self.eos = set(cfg.eos_token_ids)
-        self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
-        self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
-        self.exactness: Exactness = resolve(self.bundle, self.manifest, threads, backend, exec_mode, self.capacity,
-                                            batched=int(slots) > 1)
-        self.allow_inexact = allow_inexact
-        self.slots = int(slots)
-        if self.slots > 1 and not (self.exactness.plain_batches or allow_inexact):
-            self.note(f"note: batching {self.slots} sequences per pass is not exact here "
-                      f"({self.exactness.reason}); serving one sequence at a time. --allow-inexact batches anyway.")
-            self.slots = 1
-        # padded passes (batched windows, execution modes) write KV rows past the window: room for them
-        mode = self.exactness.mode
-        rows = self.capacity + (WINDOW_MARGIN if self.slots > 1 else mode.min_rows - 1)
-        if backend_entry(backend).pinned_capacity:  # engines built for `capacity` rows: the margin comes off it
-            rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
-        self.backend = backend  # the target's (engines/registry.py); drafters run on ONNX Runtime, CPU
-        target = open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots)
-        self.target = shaped(target, mode)
-        self.threads = threads
-        self.state = self.new_state()
-        self.auto_candidates = self.candidates(auto_candidates)
-        self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)  # then a drafter to use
+        self.state = self.new_state()  # slot 0's target state (`generate` and the scheduler's slot 0)
+        self.auto_candidates = candidates(self.model, auto_candidates)
+        self._settle(SpecSettings(num_draft_tokens, tree, adaptive, drafter_options))
         self.use(drafter)
+
+    # ── the target (runtime/target.py) ─────────────────────────────────────────────────────────
+    bundle = property(lambda self: self.model.bundle)
+    manifest = property(lambda self: self.model.manifest)
+    tokenizer = property(lambda self: self.model.tokenizer)
+    exactness = property(lambda self: self.model.exactness)
+    capacity = property(lambda self: self.model.capacity)
+    eos = property(lambda self: self.model.eos)
+    slots = property(lambda self: self.model.slots)
+    backend = property(lambda self: self.model.backend)  # the target's (engines/registry.py)
+    threads = property(lambda self: self.model.threads)
+    notes = property(lambda self: self.model.notes)  # one-line notices for the user (the CLI prints them)
+    target = property(lambda self: self.model.decoder, doc="The target's decoder (engines/decoder.py).")
+    batches_exact = property(lambda self: self.model.batches_exact)
+    exact_batches = property(lambda self: self.model.drafts_exact)
+
+    def note(self, text: str) -> None:
+        self.model.note(text)
+
+    def new_state(self) -> TargetState:
+        return self.model.new_state()
+
+    def run_pass(self, p: Pass) -> dict[str, np.ndarray]:
+        return self.model.run_pass(p)
+
+    def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> dict[str, np.ndarray]:
+        return self.model.forward(window, past, tree, rows)
+
+    @property
+    def lossless(self) -> bool:
+        """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
+        follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
+        return self.model.lossless_with(self.drafter_name)
+
+    @property
+    def reference(self) -> Reference:
+        """What this generator's output is exact to where `lossless` holds: plain decoding of its target
+        graph on its backend in its execution mode (runtime/reference.py)."""
+        return Reference.of(self)
+
+    # ── speculation settings and the drafter in use (runtime/settings.py, runtime/pool.py) ─────────
+    k = property(lambda self: self.settings.num_draft_tokens)
+    tree = property(lambda self: self.settings.shape)
+    adaptive = property(lambda self: self.settings.adaptive)
 
     def configure(self, num_draft_tokens: int = 5, tree: str | None = None, adaptive: bool = False,
                   **drafter_options) -> Generator:
         """Change the speculation settings every drafter shares: the current drafter is rebuilt with them
         now, the others on their next use; the target session and its KV buffers stay."""
         name = AUTO if self.choice is not None else self.drafter_name
-        self._set_speculation(num_draft_tokens, tree, adaptive, drafter_options)
+        self._settle(SpecSettings(num_draft_tokens, tree, adaptive, drafter_options))
         return self.use(name)
 
-    def _set_speculation(self, num_draft_tokens: int, tree: str | None, adaptive: bool, drafter_options: dict) -> None:
-        """The settings every drafter shares; forgets the drafters and controllers built with other ones."""
-        self.k = int(num_draft_tokens)
-        self.tree = resolve_tree(tree, self.k)
-        self.tree_given = tree is not None
-        self.adaptive = adaptive  # choose the draft depth each step (runtime/adaptive.py)
-        self.drafter_options = drafter_options
-        self._drafters: dict = {}  # (drafter, tree, scope) -> (instance, tree shape)
-        self._controls: dict = {}  # … -> its adaptive controller
+    def _settle(self, settings: SpecSettings) -> None:
+        """New settings: a new pool, so no drafter or controller built with other settings is reused."""
+        self.settings = settings
+        self.pool = DrafterPool(self.model, settings, self.auto_candidates)
         self.scope: str | None = None  # whose drafter instances `use` picks (see `use`)
         self.choice: DrafterChoice | None = None  # set while `auto` is in use: the per-request choice
         self.auto_tree: str | None = None  # the tree shape auto's drafters use
-        self._choices: dict = {}  # (tree, serving) -> DrafterChoice, kept while these settings hold
-        self._served: dict = {}  # auto in the serving scheduler: (slot, drafter) -> that slot's instance
-        self._served_controls: dict = {}  # … drafter -> its adaptive controller, shared by the slots
         self.last_pick: Pick | None = None
-
-    def new_state(self) -> TargetState:
-        """Room for one sequence's target hidden states (learned drafters read them), with the tapped
-        layers' too when the target graph outputs them (EAGLE-3: aux_hidden_states [B, T, n·H])."""
-        cfg = self.manifest.target.config
-        aux = self.target.output_width("aux_hidden_states")  # the Decoder protocol: any backend
-        return TargetState.allocate(self.capacity + 1, cfg.hidden_size, aux)
-
-    def new_drafter(self, drafter: str, tree: str | None = None):
-        """A fresh drafter instance (its own caches) with this generator's settings; (drafter, tree shape)."""
-        shape = self.tree if tree is None else resolve_tree(tree, self.k)
-        stored = self.manifest.drafter_tree(drafter)
-        if tree is None and not self.tree_given and stored:  # the tree exported with the drafter
-            shape = Tree.from_paths(stored)
-        ctx = DrafterContext(self.bundle, self.manifest, self.capacity, self.threads, shape, dict(self.drafter_options))
-        return make_drafter(drafter, ctx), shape
 
     def use(self, drafter: str, tree: str | None = None, adaptive: bool | None = None,
             scope: str | None = None) -> Generator:
@@ -153,155 +134,80 @@ class Generator:
         adaptive depth; what it measured is kept for the next time auto is used. `scope`: a name whose
         drafters and controllers are its own (a benchmark gives each engine one, so that one engine's
         memory of earlier sequences, suffix's store, never drafts for another)."""
-        self.adaptive_now = self.adaptive if adaptive is None else adaptive
+        self.adaptive_now = self.settings.adaptive if adaptive is None else adaptive
         self.scope = scope
         self.requested_drafter = drafter
-        if drafter != "plain" and not self.exact_batches:
+        if drafter != PLAIN and not self.exact_batches:
             self.note(f"note: speculative decoding ({drafter}) is not exact here ({self.exactness.reason}); "
                       "running plain decoding. --allow-inexact speculates anyway.")
-            drafter, tree = "plain", None
+            drafter, tree = PLAIN, None
         self.choice = None
         if drafter == AUTO:
             self.adaptive_now, self.auto_tree = True, tree
-            self.choice = self._choice(tree, serving=False)
+            self.choice = self.pool.choice(tree, serving=False)
             drafter = PLAIN  # until a request chooses
-        return self._switch(drafter, tree)
+        return self._switch(Key(drafter, tree, scope))
 
-    def _switch(self, drafter: str, tree: str | None) -> Generator:
-        """Make (drafter, tree) the current drafter, built on first use."""
-        key = (drafter, tree, self.scope)
-        if key not in self._drafters:
-            self._drafters[key] = self.new_drafter(drafter, tree)
-        self.drafter_name, (self.drafter, self.drafter_tree) = drafter, self._drafters[key]
-        self._drafter_key = key
+    def _switch(self, key: Key) -> Generator:
+        self.key = key
+        self.drafter, self.drafter_tree = self.pool.get(key)
         return self
 
-    def fresh_drafter(self):
-        """Another instance of the current drafter, configured exactly like it (name, tree, options) but
-        with its own caches: the serving scheduler gives one to each further KV slot."""
-        return self.new_drafter(*self._drafter_key[:2])[0]
-
-    def forget(self) -> None:
-        """Every drafter built so far drops its memory of earlier sequences (suffix's store)."""
-        for inst, _ in self._drafters.values():
-            inst.forget()
-
-    def _controller(self) -> AdaptiveDepth:
-        """The adaptive-depth controller of the current drafter, kept across generations: the costs it
-        measured carry over, its acceptance counts carry over at half weight."""
-        if self._drafter_key not in self._controls:
-            self._controls[self._drafter_key] = AdaptiveDepth(self.max_depth)
-        return self._controls[self._drafter_key].begin()
-
-    # ── auto: the drafter of each request by measured pay-off (runtime/payoff.py) ───────────────────
-    def candidates(self, names: Iterable[str] | None = None) -> list[str]:
-        """The drafters `auto` chooses among: `names` (checked against the bundle), default every runtime
-        drafter whose kind the bundle has; plain decoding is always the fallback."""
-        from specrt.kinds import kinds, runtime_drafters
-
-        have = [n for spec in kinds().values() if spec.available_in(self.manifest) for n in spec.runtime]
-        if names is None:
-            return have
-        names = [n.strip() for n in names if n.strip()]
-        table = runtime_drafters()
-        for n in names:
-            if n not in table:
-                raise SpecrtError(f"--auto-candidates: unknown drafter {n!r}: choose among {', '.join(have)}")
-            if n not in have:
-                raise SpecrtError(f"--auto-candidates: drafter {n!r} is not in bundle {self.bundle} (manifest.json): "
-                                  f"export it with --drafter {table[n].name}, or choose among {', '.join(have)}")
-        return names
-
-    def _choice(self, tree: str | None, serving: bool) -> DrafterChoice:
-        """auto's choice for drafters of shape `tree`; batch-1 generation and the serving scheduler (whose
-        passes are batched: other costs) each keep their own."""
-        key = (tree, serving)
-        if key not in self._choices:
-            self._choices[key] = DrafterChoice(self.auto_candidates)
-        return self._choices[key]
-
-    def _choose(self) -> None:
-        """auto, at the start of a request: switch to the drafter the measured pay-offs pick."""
-        tree = self.auto_tree
-        pays = {d: payoff(self._controls.get((d, tree, self.scope))) for d in self.choice.candidates}
-        self.last_pick = self.choice.choose(pays)
-        self._switch(self.last_pick.drafter, tree)
-
-    def served_drafter(self, slot: int) -> tuple:
-        """auto in the serving scheduler: (drafter, adaptive controller or None: plain) for the request KV
-        slot `slot` admits now. The choice and one controller per drafter are shared by the slots (they measure
-        the batched passes the server runs); each slot has its own drafter instances (caches), slot 0 the
-        generator's own, as `generate` uses them."""
-        choice, tree = self._choice(self.auto_tree, serving=True), self.auto_tree
-        name = choice.choose({d: payoff(self._served_controls.get(d)) for d in choice.candidates}).drafter
-        key = (name, tree, None)
-        if key not in self._drafters:
-            self._drafters[key] = self.new_drafter(name, tree)
-        own, shape = self._drafters[key]
-        if (slot, name) not in self._served:
-            inst = own if slot == 0 else self.new_drafter(name, tree)[0]
-            inst.share(own)  # one server-wide memory of earlier sequences (suffix's store)
-            self._served[(slot, name)] = inst
-        if name == PLAIN:
-            return self._served[(slot, name)], None
-        if name not in self._served_controls:
-            self._served_controls[name] = AdaptiveDepth(self._depth_of(shape))
-        return self._served[(slot, name)], self._served_controls[name]  # the scheduler begins it
+    drafter_name = property(lambda self: self.key.drafter)
 
     @property
     def drafter_label(self) -> str:
         """What a server reports it runs: the drafter, or "auto"."""
         return AUTO if self.choice is not None else self.drafter_name
 
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-
-    @property
-    def batches_exact(self) -> bool:
-        """Does this generator's batching (if it batches) keep every row plain decoding's?"""
-        return self.slots == 1 or self.exactness.plain_batches
-
-    @property
-    def exact_batches(self) -> bool:
-        """May passes carry drafts (at batch 1, and in batched passes where this generator batches)?"""
-        return (self.exactness.lossless and self.batches_exact) or self.allow_inexact
-
-    @property
-    def lossless(self) -> bool:
-        """Does what this generator commits equal plain batch-1 decoding of its target (greedy), or
-        follow its distribution (sampling)? (A lossy acceptance rule is reported per result.)"""
-        return self.batches_exact and (self.exactness.lossless or self.drafter_name == "plain")
-
-    @property
-    def reference(self) -> Reference:
-        """What this generator's output is exact to where `lossless` holds: plain decoding of its target
-        graph on its backend in its execution mode (runtime/reference.py)."""
-        return Reference.of(self)
-
     @property
     def max_depth(self) -> int:
         """The deepest draft the current drafter's tree allows (adaptive depth picks 0..this)."""
-        return self._depth_of(self.drafter_tree)
+        return self.settings.depth_of(self.drafter_tree)
 
-    def _depth_of(self, tree: Tree) -> int:
-        return max(self.k, int(tree.depth.max()) if tree.size > 1 else 1)
+    def new_drafter(self, drafter: str, tree: str | None = None) -> tuple[Drafter, Tree]:
+        """A fresh drafter instance (its own caches) with this generator's settings; (drafter, tree shape)."""
+        return self.pool.build(drafter, tree)
+
+    def fresh_drafter(self) -> Drafter:
+        """Another instance of the current drafter, configured exactly like it (name, tree, options) but
+        with its own caches: the serving scheduler gives one to each further KV slot."""
+        return self.pool.build(self.key.drafter, self.key.tree)[0]
+
+    def new_control(self) -> AdaptiveDepth | None:
+        """A fresh adaptive-depth controller for the current drafter where adaptive depth is on (None: a
+        fixed depth): the serving scheduler gives one to each KV slot."""
+        return AdaptiveDepth(self.max_depth) if self._adapts else None
+
+    @property
+    def _adapts(self) -> bool:
+        return self.adaptive_now and self.drafter_name != PLAIN
+
+    def served_drafter(self, slot: int) -> tuple[Drafter, AdaptiveDepth | None]:
+        """auto in the serving scheduler: (drafter, adaptive controller or None) for KV slot `slot`'s new
+        request (DrafterPool.served)."""
+        return self.pool.served(slot, self.auto_tree)
+
+    def forget(self) -> None:
+        """Every drafter built so far drops its memory of earlier sequences (suffix's store)."""
+        self.pool.forget()
 
     # ── the loop ────────────────────────────────────────────────────────────────────────────
     def sequence(self, prompt_ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-                 slot: int = 0, drafter=None, state: TargetState | None = None, control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None, **options) -> Sequence:
+                 slot: int = 0, drafter: Drafter | None = None, state: TargetState | None = None,
+                 control: AdaptiveDepth | None = None, max_nodes: int | None = None, **options) -> Sequence:
         """A new generation in KV slot `slot` of this generator's target. Default: slot 0 with the
         generator's own drafter, target state and adaptive controller; the serving scheduler passes each
         slot's own. `options`: `logit_bias`, `logprobs` (runtime/logits.py)."""
         if drafter is None:
-            if self.choice is not None:
-                self._choose()
+            if self.choice is not None:  # auto: this request's drafter
+                self.last_pick = self.pool.pick(self.auto_tree, self.scope)
+                self._switch(Key(self.last_pick.drafter, self.auto_tree, self.scope))
             drafter, state = self.drafter, self.state
-            control = self._controller() if self.adaptive_now and self.drafter_name != "plain" else None
-        return Sequence(prompt_ids, max_new_tokens, sampling, self.acceptance, drafter, state, self.capacity,
-                        self.eos, lambda dst, rows: self.target.compact(dst, rows, slot), control, max_nodes,
-                        exact=self.lossless, chains_only=not backend_entry(self.backend).trees, **options)
+            control = self.pool.controller(self.key) if self._adapts else None
+        request = Request(prompt_ids, max_new_tokens, sampling, **options)
+        return Sequence(request, self.model.terms(self.acceptance, self.drafter_name), drafter, state,
+                        self.model.compactor(slot), control, max_nodes)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:
@@ -317,20 +223,6 @@ class Generator:
         """Streaming for embedding: iterate to get text pieces as they are committed; afterwards
         `.result` holds the full `Result` (text, token ids, finish reason, stats)."""
         return TextStream(self, self.tokenizer.encode_prompt(prompt, raw), max_new_tokens, sampling)
-
-    def run_pass(self, p: Pass) -> dict[str, np.ndarray]:
-        """One batch-1 target pass over `p` in KV slot 0: every output, batch axis kept (logits
-        [1, R, V] for `p.rows`, hidden_states [1, T, H], aux_hidden_states when the graph has them)."""
-        self.target.select(0, 1)
-        return self.target.run_all(*pack_windows([p]))
-
-    def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> dict[str, np.ndarray]:
-        """One target pass over `window` (a chain unless `tree`) written at KV rows past..; every output
-        as `run_pass` gives them: `forward(...)["logits"][0]` is logits [R, V] for window `rows`
-        (default: all)."""
-        tree = tree or Tree.chain(len(window) - 1)
-        rows = np.arange(tree.size) if rows is None else np.asarray(rows, np.int64)
-        return self.run_pass(Pass(np.asarray(window, np.int64), past, tree, rows))
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
                      sampling: SamplingParams | None = None) -> Result:

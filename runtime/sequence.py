@@ -1,6 +1,6 @@
 """One request's speculative decoding, as steps an outer loop drives: the loop owns the target passes.
 
-    seq = Sequence(...)
+    seq = Sequence(request, terms, drafter, state, compact)    runtime/settings.py: Request, SequenceTerms
     seq.prefill(run)                        the prompt's passes; the first token
     while (new := seq.step(run)) is not None:
         ...                                 propose → verify → accept → commit (see "the step" below)
@@ -28,6 +28,7 @@ from specrt.runtime.drafters import Drafter, Proposal
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.logits import TokenLogprob, biased, token_logprobs
 from specrt.runtime.sampling import SamplingParams, warp
+from specrt.runtime.settings import Request, SequenceTerms
 from specrt.runtime.stats import Result, Stats, Timer
 from specrt.runtime.tree import Tree
 
@@ -98,27 +99,27 @@ class Sequence:
     (each sequence needs its own when several run at once). `compact(dst, rows)` moves this sequence's
     KV rows in the target's cache."""
 
-    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
-                 acceptance: str | None, drafter: Drafter, state: TargetState, capacity: int, eos: set[int],
+    def __init__(self, request: Request, terms: SequenceTerms, drafter: Drafter, state: TargetState,
                  compact: Callable[[int, list[int]], None], control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None, exact: bool = True, chains_only: bool = False,
-                 logit_bias: dict[int, float] | None = None, logprobs: int | None = None):
-        """`exact`: whether the target's passes give plain decoding's rows here (runtime/exactness.py);
-        `chains_only`: the target verifies chains only (a tree proposal is cut to its top-ranked path);
-        `logit_bias` / `logprobs` (top-N; None: off): runtime/logits.py."""
-        self.sampling = sampling or SamplingParams()
-        self.rule_name, self.rule = acceptance_for(acceptance, self.sampling)
-        check_prompt(prompt_ids, capacity)
+                 max_nodes: int | None = None):
+        """`request`: the prompt and its terms; `terms`: what the target holds it to (runtime/settings.py);
+        `drafter` and `state` are this sequence's own while it runs; `control` its adaptive-depth
+        controller (None: fixed depth); `max_nodes`: drafted nodes per step at most (a batched pass's
+        padding room)."""
+        self.request, self.terms = request, terms
+        self.sampling = request.sampling or SamplingParams()
+        self.rule_name, self.rule = acceptance_for(terms.acceptance, self.sampling)
+        check_prompt(request.prompt_ids, terms.capacity)
         self.rng = np.random.default_rng(self.sampling.seed)
-        self.drafter, self.state, self.capacity, self.eos = drafter, state, capacity, eos
+        self.drafter, self.state, self.capacity, self.eos = drafter, state, terms.capacity, terms.eos
         self.compact, self.control = compact, control
-        self.node_limit = max_nodes  # drafted nodes per step at most (a batched pass's padding room)
+        self.node_limit = max_nodes
         self.needs_hidden = drafter.needs_hidden
-        self.max_new_tokens = max_new_tokens
-        self.exact = exact
-        self.chains_only = chains_only
-        self.logit_bias, self.top_logprobs = dict(logit_bias or {}), logprobs
-        self.tokens = list(prompt_ids)
+        self.max_new_tokens = request.max_new_tokens
+        self.exact = terms.exact
+        self.chains_only = terms.chains_only
+        self.logit_bias, self.top_logprobs = dict(request.logit_bias or {}), request.logprobs
+        self.tokens = list(request.prompt_ids)
         self.out: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per committed token when `logprobs` is set
         self.finish: str | None = None

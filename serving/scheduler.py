@@ -172,11 +172,9 @@ class Scheduler:
         """KV slot i: slot 0 takes the generator's own drafter and target state (those `generate` uses in
         slot 0), the others fresh ones configured the same; each its own adaptive-depth controller."""
         gen = self.gen
-        adaptive = gen.adaptive_now and gen.drafter_name != "plain"
         drafter = gen.drafter if i == 0 else gen.fresh_drafter()
         drafter.share(gen.drafter)  # one server-wide memory of earlier sequences (suffix's store)
-        return _Slot(i, drafter, gen.state if i == 0 else gen.new_state(),
-                     AdaptiveDepth(gen.max_depth) if adaptive else None)
+        return _Slot(i, drafter, gen.state if i == 0 else gen.new_state(), gen.new_control())
 
     # ── public ──────────────────────────────────────────────────────────────────────────────
     def start(self) -> Scheduler:

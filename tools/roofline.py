@@ -276,17 +276,13 @@ def drafter_roles(manifest, drafter: str) -> list[str]:
 
 
 def drafting_depth(gen, drafter: str, tree: str | None) -> int:
-    """The drafter's nominal depth per step, as Generator.use picks its tree (MTP: its num_steps)."""
-    from specrt.runtime.tree import Tree, resolve_tree
+    """The drafter's nominal depth per step with the generator's settings (Drafter.nominal_depth)."""
+    from specrt.kinds import resolve, runtime_drafters
 
-    if drafter == "mtp" and "mtp" in gen.manifest.drafters:
-        opts = getattr(gen, "drafter_options", {}) or {}
-        return int(opts.get("mtp_steps") or gen.manifest.drafters["mtp"]["config"]["num_steps"])
-    shape = gen.tree if tree is None else resolve_tree(tree, gen.k)
-    stored = gen.manifest.drafter_tree(drafter)
-    if tree is None and not getattr(gen, "tree_given", False) and stored:
-        shape = Tree.from_paths(stored)
-    return max(int(shape.depth.max()), 1)
+    settings = gen.settings
+    drafter_class = resolve(runtime_drafters()[drafter].runtime[drafter])
+    return drafter_class.nominal_depth(gen.manifest, dict(settings.drafter_options),
+                                       settings.shape_for(drafter, tree, gen.manifest))
 
 
 def build_roofline(result: dict, gen, bandwidth_gb_s: float,

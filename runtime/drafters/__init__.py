@@ -99,6 +99,12 @@ class Drafter:
                 rng: np.random.Generator) -> Proposal:
         raise NotImplementedError
 
+    @classmethod
+    def nominal_depth(cls, manifest, options: dict, tree: Tree) -> int:
+        """How deep a step drafts with these options and tree shape, before any limit (a model of the
+        drafting cost: tools/roofline.py)."""
+        return max(int(tree.depth.max()), 1)
+
     def observe(self, tokens: list[int], state=None) -> None:
         """The committed sequence (and the target's states of all but its last token) after a step."""
 

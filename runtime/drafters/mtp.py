@@ -20,10 +20,14 @@ class MtpDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 
+    @classmethod
+    def nominal_depth(cls, manifest, options: dict, tree) -> int:
+        """A chain of the module's steps, whatever the tree."""
+        return int(options.get("mtp_steps") or manifest.drafters["mtp"]["config"]["num_steps"])
+
     def __init__(self, ctx: DrafterContext):
         entry = ctx.manifest.drafter("mtp", ctx.bundle)
-        cfg = entry["config"]
-        self.steps = int(ctx.options.get("mtp_steps") or cfg["num_steps"])
+        self.steps = self.nominal_depth(ctx.manifest, ctx.options, None)
         modules = entry["graphs"]
         self.layers = []
         for k in range(self.steps):

@@ -15,7 +15,7 @@ from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.engines.ort_device.runner import OrtDeviceDecoder
 from specrt.engines.trt.runner import TrtDecoder
 from specrt.runtime.exec_modes import MODES, ShapedDecoder
-from specrt.runtime.generate import Generator
+from specrt.runtime.target import TargetModel
 from specrt.schema.config import DecoderConfig
 
 HIDDEN, AUX, CAPACITY = 4, 12, 8  # AUX: three tapped layers of HIDDEN
@@ -93,12 +93,12 @@ def test_a_dynamic_last_axis_has_no_width():
     assert dec.output_width("aux_hidden_states") is None
 
 
-def _generator(target) -> Generator:
-    """Just what `Generator.new_state` reads: the target's config and the capacity."""
-    gen = Generator.__new__(Generator)
-    gen.manifest = SimpleNamespace(target=SimpleNamespace(config=CFG))
-    gen.capacity, gen.target = CAPACITY, target
-    return gen
+def _generator(target) -> TargetModel:
+    """Just what `TargetModel.new_state` reads: the target's config, the capacity and the decoder."""
+    model = TargetModel.__new__(TargetModel)
+    model.manifest = SimpleNamespace(target=SimpleNamespace(config=CFG))
+    model.capacity, model.decoder = CAPACITY, target
+    return model
 
 
 class _NoSession(Decoder):

@@ -118,7 +118,7 @@ def _inexact(monkeypatch, tiny_bundle):
     drift = {"chain": 0.5, "tree": 0.5, "batch": 0.5, "kv": 0.5, "invariant": False, "seconds": 0.1}
     record = {"fingerprint": Fingerprint.here(2).to_dict(), "key": "x", "graph": m.graphs["target"].file,
               "chosen": None, "measured": {name: dict(drift) for name in MODES}, "measured_at": "now"}
-    monkeypatch.setattr("specrt.runtime.generate.resolve",
+    monkeypatch.setattr("specrt.runtime.target.resolve",
                         lambda *a, **k: exactness.judge(record, "auto", "machine cache"))
 
 

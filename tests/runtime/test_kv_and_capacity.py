@@ -66,7 +66,7 @@ def test_max_new_tokens_is_exact(tiny_bundle):
 def test_eos_stops_generation(tiny_bundle):
     gen = Generator(tiny_bundle, max_seq_len=64)
     plain = gen.generate_ids([3, 4, 5], 20).token_ids
-    gen.eos = {plain[4]}
+    gen.model.eos = frozenset({plain[4]})
     res = gen.generate_ids([3, 4, 5], 20)
     cut = plain.index(plain[4]) + 1
     assert res.finish_reason == "stop" and res.token_ids == plain[:cut]

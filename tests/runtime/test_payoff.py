@@ -10,6 +10,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.generate import Generator
 from specrt.runtime.payoff import DrafterChoice, Payoff, payoff
+from specrt.runtime.pool import candidates
 from specrt.runtime.sampling import SamplingParams
 
 VERIFY = lambda n: 0.010 + 0.001 * n  # noqa: E731 — seconds of a verify pass over n window rows
@@ -135,7 +136,7 @@ def test_auto_greedy_equals_plain_and_records_the_drafter(tiny_bundle):
         accepted += res.stats.accepted
     assert accepted > 0  # drafts were accepted: not plain held to plain
     assert set(gen.choice.candidates) <= set(used)  # each candidate was tried …
-    assert set(gen.choice.candidates) == {"ngram", "draft", "suffix"} & set(gen.candidates())
+    assert set(gen.choice.candidates) == {"ngram", "draft", "suffix"} & set(candidates(gen.model))
     assert gen.choice.requests == len(used)  # … and the statistics are the generator's, across requests
 
 
@@ -185,5 +186,5 @@ def test_auto_real_model_equals_plain(real_generator):
             accepted += res.stats.accepted
     finally:
         gen.use("plain")
-    assert sum(gen._choice(None, serving=False).picks.values()) == 2 * len(prompts)
+    assert sum(gen.pool.choice(None, serving=False).picks.values()) == 2 * len(prompts)
     assert accepted > 0  # drafts were accepted: not plain held to plain

@@ -10,6 +10,7 @@ from specrt.runtime import sequence
 from specrt.runtime.drafters import Drafter, Proposal
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.sequence import Sequence
+from specrt.runtime.settings import Request, SequenceTerms
 from tests.runtime.test_sequence import FakeTarget, H, plain_greedy
 
 CAPACITY = 400
@@ -28,7 +29,7 @@ class _Plain(Drafter):
 def _sequence(prompt: list[int]) -> tuple[Sequence, FakeTarget]:
     target = FakeTarget(CAPACITY)
     state = TargetState.allocate(CAPACITY + 1, H, None)
-    return Sequence(prompt, 4, None, None, _Plain(), state, CAPACITY, set(), target.compact), target
+    return Sequence(Request(prompt, 4), SequenceTerms(CAPACITY), _Plain(), state, target.compact), target
 
 
 def test_generation_prefills_in_larger_chunks_than_the_scheduler():

@@ -19,6 +19,7 @@ from specrt.runtime.drafters import Drafter, Proposal
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence
+from specrt.runtime.settings import Request, SequenceTerms
 
 V, H = 32, 2  # vocabulary and hidden size of the fake target
 PROMPT = [3, 1, 4]
@@ -113,7 +114,8 @@ def make(script, max_new_tokens=40, capacity=64, eos=(), sampling=None, **drafte
     target = FakeTarget(capacity)
     d = ScriptedDrafter(script, **drafter)
     state = TargetState.allocate(capacity + 1, H, None)
-    seq = Sequence(list(PROMPT), max_new_tokens, sampling, None, d, state, capacity, set(eos), target.compact)
+    seq = Sequence(Request(PROMPT, max_new_tokens, sampling), SequenceTerms(capacity, frozenset(eos)), d, state,
+                   target.compact)
     return seq, target, d
 
 
@@ -240,8 +242,8 @@ class _Depths:
 def test_adaptive_depth_zero_is_a_plain_step():
     control = _Depths([0, 2, 0])
     target, drafter = FakeTarget(64), ScriptedDrafter([[(w, RIGHT) for w in range(4)]] * 4)
-    seq = Sequence(list(PROMPT), 12, None, None, drafter, TargetState.allocate(65, H, None), 64, set(),
-                   target.compact, control)
+    seq = Sequence(Request(PROMPT, 12), SequenceTerms(64), drafter, TargetState.allocate(65, H, None), target.compact,
+                   control)
     chunks = run_all(seq, target)
     assert sum(chunks, []) == plain_greedy(PROMPT, 12)
     assert [len(c) for c in chunks[1:4]] == [1, 3, 1]  # depth 0: no draft; depth 2: 2 drafts + bonus

@@ -22,7 +22,7 @@ def test_served_auto_equals_plain_and_reports_each_requests_drafter(tiny_bundle,
     for i, (x, r) in enumerate(zip(PROMPTS, results, strict=True)):
         assert r.token_ids == tiny_reference.generate_ids(x, 16 + 2 * i).token_ids, (i, r.drafter)
     used = [r.drafter for r in results]
-    choice = gen._choice(gen.auto_tree, serving=True)
+    choice = gen.pool.choice(gen.auto_tree, serving=True)
     assert choice.requests == len(PROMPTS) and sum(choice.picks.values()) == len(PROMPTS)
     assert set(choice.candidates) <= set(used)  # every candidate explored across the slots
     assert sum(r.stats.drafted for r in results) > 0 and max(scheduler.batch_sizes) > 1

@@ -225,7 +225,9 @@ def test_each_slot_adapts_its_own_draft_depth(tiny_bundle, tiny_reference):
     for p in lengths:
         assert results[p].token_ids == want[p]
     good, bad = scheduler.slots[0].control, scheduler.slots[1].control
-    assert good.acceptance()[0] > 0.8 and bad.acceptance()[0] < 0.2, (good.summary(), bad.summary())
+    # below the prior (1/2) only by rejections, above 0.8 only by acceptances: one controller shared by both
+    # could not be both (how often the rejected slot probes, hence how far below, depends on measured time)
+    assert bad.acceptance()[0] < 0.5 and good.acceptance()[0] > 0.8, (good.summary(), bad.summary())
     assert results[right].stats.accepted > 0 and results[wrong].stats.accepted == 0
     deep, shallow = results[right].stats, results[wrong].stats
     assert shallow.plain_steps > 0 and deep.mean_draft_depth > shallow.mean_draft_depth + 1, (
