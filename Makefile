@@ -19,7 +19,8 @@ DRAFTER ?= ngram
 THREADS ?= 2
 SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
 # Learned drafters: `make train` writes $(SPECRT_HOME)/drafters/KIND; `make export` adds every one found.
-KINDS ?= draft medusa eagle eagle3 mtp block
+# every learned kind in the registry (specrt/kinds/), in listing order
+KINDS ?= $(shell $(PY) -c 'from specrt.kinds import learned_kinds; print(*learned_kinds())')
 TRAIN_MINUTES ?= 20
 # Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
 STORE ?= $(SPECRT_HOME)/train/store

@@ -192,8 +192,9 @@ def resolve_drafters(requested) -> list[tuple[str, Path]]:
         check_folder(folder, "convert it to safetensors in a trusted environment, or pass the folder "
                              f"`specrt train {kind}` wrote")
         if not (folder / drafters.CONFIG).is_file() and public.detect(folder) is None:
-            raise SpecrtError(f"{folder} holds no drafter checkpoint (no config.json, no public Medusa / EAGLE / "
-                              f"MTP layout): pass the folder `specrt train {kind}` wrote, or a public checkpoint")
+            raise SpecrtError(f"{folder} holds no drafter checkpoint (no config.json, no public "
+                              f"{public.layouts_described()} layout): pass the folder `specrt train {kind}` wrote, "
+                              "or a public checkpoint")
         out.append((kind, folder))
     return out
 

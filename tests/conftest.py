@@ -61,9 +61,9 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir):
 def random_drafters_bundle(tmp_path_factory, tokenizer_dir):
     """A tiny random Llama exported with random Medusa, EAGLE, EAGLE-3 and MTP drafters (and a 1-layer
     draft): (bundle, loaded target, [(kind, checkpoint folder)])."""
-    from tests.helpers import RANDOM_DRAFTERS, random_drafter_bundle
+    from tests.helpers import random_drafter_bundle, random_drafters
 
-    return random_drafter_bundle(tmp_path_factory.mktemp("random_drafters"), tokenizer_dir, RANDOM_DRAFTERS, 1)
+    return random_drafter_bundle(tmp_path_factory.mktemp("random_drafters"), tokenizer_dir, random_drafters(), 1)
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +71,7 @@ def trained_drafters(real_model, tmp_path_factory):
     """Every learned drafter kind trained briefly (seconds each) on the real target's answers to a few
     prompts: ([(kind, checkpoint folder)], the prompt rows trained on, each kind's training metrics)."""
     from specrt import kinds
-    from specrt.export.drafters.eagle import default_taps
+    from specrt.export.drafters.base import default_taps
     from specrt.export.training.corpus import load_prompts
     from specrt.export.training.datagen import build_data
     from specrt.export.training.loop import TrainSettings, train

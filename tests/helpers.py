@@ -53,10 +53,14 @@ def save_tiny_folder(folder: Path, model_type: str, tokenizer_dir: Path | None, 
     return folder
 
 
-# config fields of the random drafters tests run on a tiny target (tests/conftest.py random_drafters_bundle)
-RANDOM_DRAFTERS = {"medusa": {"num_heads": 3}, "eagle": {}, "eagle3": {"taps": [0, 1], "draft_vocab_size": 3000},
-                   "mtp": {"num_modules": 2, "num_steps": 3},
-                   "block": {"taps": [0, 1], "draft_vocab_size": 3000, "block_size": 4}}
+def random_drafters() -> dict[str, dict]:
+    """{kind: config fields} of the random drafters tests run on a tiny target (tests/conftest.py
+    random_drafters_bundle): every learned kind exported as a drafter (not as a bundle role), with its
+    spec's `random_config` (else `example_config`), in listing order."""
+    from specrt.kinds import kinds
+
+    return {s.name: dict(s.example_config if s.random_config is None else s.random_config)
+            for s in kinds().values() if s.learned and not s.bundle_role}
 
 
 def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[tuple[str, Path]]:

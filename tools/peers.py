@@ -67,7 +67,9 @@ def _draft_overlay(folder: Path) -> dict | None:
         kind = json.loads(cfg.read_text()).get("kind") if cfg.is_file() else None
     except (OSError, json.JSONDecodeError):
         kind = None
-    if kind != "draft":
+    from specrt.kinds import kinds
+
+    if kind not in kinds() or kinds()[kind].bundle_role != "draft":  # a checkpoint of the bundle's draft model
         return None
     from safetensors.torch import load_file
 

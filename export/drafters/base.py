@@ -6,9 +6,10 @@ step) and predicts x[r+2]:
 
     mix(x[r+1], hidden[r]) ─► (attention input, residual) ─► layer ─► out[r] ─► head ─► logits[r]
 
-Only `mix` and `head` differ between kinds. Inference writes K/V rows into a cache like the target
-(`step`); training attends over explicit key sets with any boolean mask (`layer_train`), which is
-how multi-step "training-time test" unrolling is expressed.
+Only `mix` and `head` differ between kinds (in the graph: `graph_mix`, `graph_head_norm`).
+Inference writes K/V rows into a cache like the target (`step`); training attends over explicit
+key sets with any boolean mask (`layer_train`), which is how multi-step "training-time test"
+unrolling is expressed.
 
 The layer is the drafter's own architecture, not the target's (`one_layer`): a plain pre-norm SwiGLU
 layer with full attention over the target's dims, biases, qk-norm, eps and global RoPE table, whatever
@@ -63,6 +64,15 @@ class FeatureDrafter(FrozenTargetWeights):
         """What the LM head reads (the layer output, or its norm)."""
         return out
 
+    def graph_mix(self, fg, input_ids: str, hidden: str) -> tuple[str, str]:
+        """`mix` as ONNX nodes: `fg` is the feature graph being built (export/drafters/graphs.py), the
+        arguments and results the names of its values."""
+        raise NotImplementedError
+
+    def graph_head_norm(self) -> nn.Module | None:
+        """The norm `head_input` applies (None: the head reads the layer output), for the graph."""
+        return None
+
     def head(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.head_input(out))
 
@@ -106,6 +116,12 @@ KEPT_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "
 FAMILY_FIELDS = ("layer_windows", "activation", "embed_scale", "sandwich_norms", "query_pre_attn_scalar",
                  "attn_logit_softcapping", "final_logit_softcapping", "layer_rope", "local_rope_inv_freq",
                  "local_rope_attention_scaling")
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """The target layers whose inputs fused-feature drafters (EAGLE-3, block) read, and the distillation
+    data records, by default: EAGLE-3's low / middle / high choice, inputs of layers 2, L/2 and L-3."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
 def _defaults() -> dict:

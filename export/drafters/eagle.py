@@ -1,31 +1,44 @@
-"""EAGLE-1/2 and EAGLE-3 heads: one decoder layer that drafts over features autoregressively.
+"""EAGLE-1/2 head: one decoder layer that drafts over features autoregressively.
 
-EAGLE-1/2 (`eagle`): row r fuses the next token's embedding with a feature vector,
+Row r fuses the next token's embedding with a feature vector,
 
     fc(concat(embed(x[r+1]), f[r])) ─► decoder layer ─► f'[r] ─► the target's LM head ─► x[r+2]
 
 where f is the target's last hidden state for committed rows and the head's own output for
 drafted rows (trained to regress the target's next hidden state). EAGLE-2 differs only at run
-time (a dynamic tree), so both share these weights.
+time (a dynamic tree), so both share these weights. EAGLE-3 is export/drafters/eagle3.py.
 
-EAGLE-3 (`eagle3`): the target's low / middle / high layer features are fused first,
-g = fc(concat(a_low, a_mid, a_high)); the layer's attention reads concat(norm(embed(x)), norm(g))
-(2H wide), its output feeds the next drafted row directly, and logits come from its own norm + LM
-head over a reduced draft vocabulary (`d2t`: target id = draft id + d2t[draft id]).
-
-Parameter names follow the public EAGLE / EAGLE-3 layouts (`fc`, `layers.0.*` / `midlayer.*`,
-`norm`, `lm_head`, `d2t`).
+The kind's code, all here: the module, its graph mix (eagle/layer.onnx: export/drafters/graphs.py's
+feature layer), its objective (S unrolled steps, "training-time test": step 1 reads h[r], step s
+its own output of row r-1 from step s-1, attending to real rows ≤ r-s+1 plus its own chain, as
+drafted rows do at run time: CE(p[r+1]) + SmoothL1(f[r], h[r+1])), and the public SafeAILab
+EAGLE-1/2 layout: Llama-style config.json; `fc.*` and `layers.0.*` (EAGLE-1 drops the layer's
+input_layernorm). Parameter names follow that layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from specrt.export.drafter_export import feature_parity, save_graph
+from specrt.export.drafters import make_config
 from specrt.export.drafters.base import FeatureDrafter, one_layer
-from specrt.export.modeling import MLP, Attention, DecoderLayer, RMSNorm
+from specrt.export.drafters.graphs import feature_graph
+from specrt.export.drafters.public import (
+    CONFIG,
+    PublicLayout,
+    build_for,
+    check_dims,
+    fill,
+    ignored,
+    layer_dec,
+)
+from specrt.export.modeling import DecoderLayer
+from specrt.export.training.objectives import FeatureObjective
 from specrt.schema.config import DecoderConfig
 
 
@@ -34,21 +47,6 @@ class EagleConfig:
     kind: str = "eagle"
     fc_bias: bool = True
     input_norm: bool = False  # EAGLE-1 checkpoints drop input_layernorm in their only layer
-
-
-@dataclass
-class Eagle3Config:
-    kind: str = "eagle3"
-    taps: list[int] = field(default_factory=list)  # target layers whose *inputs* are fused
-    draft_vocab_size: int = 0  # 0: the target's vocabulary
-    # the head is the target's LM-head rows of the draft vocabulary, frozen, and not stored: a checkpoint
-    # keeps d2t and slices the rows from the target when it loads (specrt's own training does this)
-    head_from_target: bool = False
-
-
-def default_taps(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high choice: inputs of layers 2, L/2 and L-3."""
-    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
 class EagleHead(FeatureDrafter):
@@ -70,73 +68,42 @@ class EagleHead(FeatureDrafter):
         x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
         return self.layer.input_layernorm(x), x
 
-
-class Eagle3Layer(nn.Module):
-    def __init__(self, dec: DecoderConfig):
-        super().__init__()
-        h = dec.hidden_size
-        self.hidden_norm = RMSNorm(h, dec.rms_norm_eps)
-        self.input_layernorm = RMSNorm(h, dec.rms_norm_eps)
-        self.self_attn = Attention(dec, in_features=2 * h)
-        self.post_attention_layernorm = RMSNorm(h, dec.rms_norm_eps)
-        self.mlp = MLP(dec)
+    def graph_mix(self, fg, ids: str, hidden: str):
+        fg.named("eagle")
+        x = fg.linear(fg.g.op("Concat", fg.embed(ids), hidden, axis=-1), [self.fc], "fc")
+        if isinstance(self.layer.input_layernorm, nn.Identity):
+            return x, x
+        return fg.norm(x, self.layer.input_layernorm, "input_layernorm"), x
 
 
-class Eagle3Head(FeatureDrafter):
-    def __init__(self, cfg: Eagle3Config, dec: DecoderConfig):
-        super().__init__()
-        self.cfg, self.dec = cfg, one_layer(dec)
-        h = dec.hidden_size
-        vocab = cfg.draft_vocab_size or dec.vocab_size
-        self.fc = nn.Linear(len(cfg.taps) * h, h, bias=False)
-        self.midlayer = Eagle3Layer(self.dec)
-        self.norm = RMSNorm(h, dec.rms_norm_eps)
-        self.lm_head = nn.Linear(h, vocab, bias=False)
-        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))  # target id - draft id
-        if cfg.head_from_target:
-            self.lm_head.weight.requires_grad_(False)
-
-    @property
-    def layer(self):
-        return self.midlayer
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        state = super().trainable_state()
-        return {k: v for k, v in state.items() if k != "lm_head.weight"} if self.cfg.head_from_target else state
-
-    def attach_head(self, target) -> None:
-        """With `head_from_target`: the head becomes the target's rows of the draft vocabulary (d2t)."""
-        if self.cfg.head_from_target:
-            with torch.no_grad():
-                self.lm_head.weight.copy_(target.lm_head.weight[self.target_ids()])
-
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """Target features [.., len(taps)*H] -> the layer's hidden input [.., H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
-
-    def mix(self, input_ids, hidden):
-        e = self.midlayer.input_layernorm(self.embed_tokens(input_ids))
-        return torch.cat([e, self.midlayer.hidden_norm(hidden)], -1), hidden
-
-    def head_input(self, out):
-        return self.norm(out)
-
-    def target_ids(self) -> torch.Tensor:
-        return torch.arange(len(self.d2t)) + self.d2t
+def eagle_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
+    """eagle/layer.onnx: the one decoder layer over (token, feature)."""
+    graphs = {"eagle": save_graph(feature_graph(module, "eagle"), tmp / "eagle" / "layer.onnx", "eagle", module.dec,
+                                  source)}
+    return graphs, {}, {"eagle": feature_parity(module, tmp / graphs["eagle"].file)} if check_parity else {}
 
 
-def eagle3_options(options: dict, data, vocab: torch.Tensor) -> dict:
-    """EAGLE-3 reads the target layers the distillation data recorded, over the label vocabulary; its head
-    is the target's rows of that vocabulary unless `head_from_target` is set false."""
-    return {"head_from_target": True, **options, "taps": list(data.taps), "draft_vocab_size": len(vocab)}
+class EagleObjective(FeatureObjective):
+    regress = 1.0
 
 
-def eagle3_warm_start(module: Eagle3Head, target, vocab: torch.Tensor) -> None:
-    """The head starts from the target's rows of the draft vocabulary, the norm and MLP from the target's
-    last layer. (EAGLE-1's layer starts random: its output regresses the target's *normed* features, a
-    scale the last layer lacks.)"""
-    with torch.no_grad():
-        module.lm_head.weight.copy_(target.lm_head.weight[vocab])
-        module.d2t.copy_(vocab - torch.arange(len(vocab)))
-        module.norm.load_state_dict(target.model.norm.state_dict())
-    module.midlayer.mlp.load_state_dict(target.model.layers[-1].mlp.state_dict())
+def _is_eagle(p) -> bool:
+    weights = p.weights()
+    if weights is None:
+        return False
+    keys = weights.keys()
+    return "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys) \
+        and not any(k.startswith("midlayer.") for k in keys)  # EAGLE-3's
+
+
+PUBLIC = PublicLayout("EAGLE (fc + layers.0)", _is_eagle)
+
+
+def load_eagle(folder: Path, meta: dict, weights, target):
+    check_dims(meta, target, folder / CONFIG)
+    keys = [k for k in weights.keys() if not ignored(k) and k != "embed_tokens.weight"]
+    fc_bias = "fc.bias" in keys or meta.get("bias") is True
+    cfg = make_config("eagle", fc_bias=fc_bias, input_norm="layers.0.input_layernorm.weight" in keys)
+    module = build_for(cfg, target, layer_dec(target, meta, keys, "layers.0.", folder / CONFIG))
+    fill(module, weights, keys, lambda k: k, "one-layer EAGLE")
+    return module

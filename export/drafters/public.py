@@ -1,14 +1,10 @@
 """Load drafter checkpoints in the layouts their public projects publish (nothing is unpickled).
 
-    medusa   FasterDecoding/Medusa: config.json (medusa_num_heads, medusa_num_layers) and
-             medusa_lm_head.safetensors / .pt with `{k}.{j}.linear.*` and own heads `{k}.{L}.weight`
-             (or a full Medusa-2 model whose weights hold `medusa_head.*`)
-    eagle    SafeAILab/EAGLE-1/2: Llama-style config.json; `fc.*` and `layers.0.*` (EAGLE-1 drops the
-             layer's input_layernorm)
-    eagle3   EAGLE-3: `fc` [H, n·H], `midlayer.*`, `norm`, `lm_head` [draft vocab, H], `d2t`
-             (`t2d` is derived and ignored); taps from eagle_config.eagle_aux_hidden_state_layer_ids
-    mtp      DeepSeek-V3-style: a model folder whose layers L .. L+n-1 (L = num_hidden_layers,
-             n = num_nextn_predict_layers) are MTP modules; dense Llama-style blocks only
+Each learned kind with a public layout declares it in its own module (export/drafters/<kind>.py):
+a `PublicLayout` (how to recognise the folder, where its weights are: its spec's `public_layout`)
+and a loader (its spec's `public_loader`), written with the helpers here. The rules are tried in
+the registry's listing order on a `Probe` of the folder; they are exclusive (no folder of one
+layout has what another's rule looks for).
 
 Weights come from safetensors (single or sharded) or from `.bin` / `.pt` files read with
 `torch.load(weights_only=True)`. The target's embedding and LM head are attached from the target;
@@ -18,25 +14,21 @@ copies in the checkpoint (`embed_tokens`, `shared_head.head`) are ignored.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from specrt.errors import SpecrtError
-from specrt.export.drafters import build, check_target, kind_spec, load_state, make_config
-from specrt.export.drafters.eagle import default_taps
+from specrt.export.drafters import build, check_target, kind_spec, load_state
 from specrt.export.modeling import DecoderLM
 from specrt.export.safetensors_file import check_safetensors
-from specrt.kinds import resolve
+from specrt.kinds import kinds, resolve
 
 CONFIG = "config.json"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
-LAYOUTS = "Medusa (medusa_lm_head.*), EAGLE / EAGLE-3 (fc + layers.0 / midlayer) or MTP (num_nextn_predict_layers)"
 FIX = "use the checkpoint published for this target model, or re-download it"
 
 
@@ -124,33 +116,62 @@ def _first(folder: Path, names) -> Path | None:
     return next((folder / n for n in names if (folder / n).is_file()), None)
 
 
+class Probe:
+    """What a layout rule reads of a folder: its config.json (`meta`, {} without one), its files, and
+    its weights (read once, whichever rule asks first)."""
+
+    def __init__(self, folder: Path, meta: dict):
+        self.folder, self.meta = folder, meta
+        self._weights: dict[Path, Weights] = {}
+
+    def first(self, names) -> Path | None:
+        """The first of the files `names` the folder has."""
+        return _first(self.folder, names)
+
+    def weights(self, names=MODEL_FILES) -> Weights | None:
+        """The tensors of the first of the files `names` the folder has (None: it has none)."""
+        path = self.first(names)
+        if path is None:
+            return None
+        if path not in self._weights:
+            self._weights[path] = Weights(path)
+        return self._weights[path]
+
+
+@dataclass(frozen=True)
+class PublicLayout:
+    """A public checkpoint layout: `matches` recognises it; its weights are the first of `weight_files`."""
+
+    describe: str  # for the error that lists every layout, e.g. "MTP (num_nextn_predict_layers)"
+    matches: Callable[[Probe], bool]
+    weight_files: tuple[str, ...] = MODEL_FILES
+    wanted: tuple[str, ...] | None = None  # the files an error names when there are no weights (weight_files)
+
+
+def _layouts() -> list[tuple[str, PublicLayout]]:
+    return [(s.name, resolve(s.public_layout)) for s in kinds().values() if s.public_layout]
+
+
+def layouts_described() -> str:
+    """Every public layout, for messages."""
+    return ", ".join(layout.describe for _, layout in _layouts())
+
+
 def _inspect(folder: Path) -> tuple[str | None, dict, Weights | None]:
     """(layout, config.json, weights) of a folder; layout None when it is none of the public ones."""
     folder = Path(folder)
     meta = _config(folder)
     if meta is not None and "kind" in meta:
         return None, meta, None  # a specrt checkpoint
-    meta = meta or {}
-    medusa_file = _first(folder, MEDUSA_FILES)
-    if "medusa_num_heads" in meta or medusa_file is not None:
-        path = medusa_file or _first(folder, MODEL_FILES)
-        return "medusa", meta, Weights(path) if path else None
-    path = _first(folder, MODEL_FILES)
-    if (meta.get("num_nextn_predict_layers") or 0) > 0:
-        return "mtp", meta, Weights(path) if path else None
-    if path is None:
-        return None, meta, None
-    weights = Weights(path)
-    keys = weights.keys()
-    if any(k.startswith("midlayer.") for k in keys):
-        return "eagle3", meta, weights
-    if "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys):
-        return "eagle", meta, weights
-    return None, meta, None
+    probe = Probe(folder, meta or {})
+    for kind, layout in _layouts():
+        if layout.matches(probe):
+            return kind, probe.meta, probe.weights(layout.weight_files)
+    return None, probe.meta, None
 
 
 def detect(folder: Path) -> str | None:
-    """Which public layout `folder` holds: "medusa", "eagle", "eagle3", "mtp", or None."""
+    """Which public layout `folder` holds (the kind whose rule matches, e.g. "medusa"), or None."""
     return _inspect(Path(folder))[0]
 
 
@@ -173,9 +194,10 @@ def load_public(folder: Path, target: DecoderLM):
     layout, meta, weights = _inspect(folder)
     if layout is None:
         raise SpecrtError(f"{folder} holds neither a specrt drafter checkpoint (config.json with \"kind\") nor a "
-                          f"public {LAYOUTS} checkpoint: pass a drafter folder")
+                          f"public {layouts_described()} checkpoint: pass a drafter folder")
     if weights is None:
-        wanted = MEDUSA_FILES if layout == "medusa" else MODEL_FILES
+        rule = resolve(kind_spec(layout).public_layout)
+        wanted = rule.wanted or rule.weight_files
         raise SpecrtError(f"{folder} has a {layout} config.json but no weights ({' / '.join(wanted)}): "
                           "download the weight files too")
     module = resolve(kind_spec(layout).public_loader)(folder, meta, weights, target)
@@ -185,12 +207,12 @@ def load_public(folder: Path, target: DecoderLM):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _build(cfg, target: DecoderLM, dec=None):
+def build_for(cfg, target: DecoderLM, dec=None):
     """`drafters.build`, with the drafter layer's own settings (`dec`) where they differ from the target's."""
     return build(cfg, target, None if dec is None or dec == target.cfg else dec)
 
 
-def _layer_dec(target: DecoderLM, meta: dict, keys, prefix: str, source: Path):
+def layer_dec(target: DecoderLM, meta: dict, keys, prefix: str, source: Path):
     """The target's decoder settings with the drafter layer's bias / norm flags (read from its keys),
     norm epsilon and MLP width (from config.json). Heads must match the target's."""
     t = target.cfg
@@ -209,12 +231,12 @@ def _layer_dec(target: DecoderLM, meta: dict, keys, prefix: str, source: Path):
                    intermediate_size=int(meta.get("intermediate_size") or t.intermediate_size))
 
 
-def _check_dims(meta: dict, target: DecoderLM, source: Path) -> None:
+def check_dims(meta: dict, target: DecoderLM, source: Path) -> None:
     if "hidden_size" in meta and "vocab_size" in meta:
         check_target(SimpleNamespace(hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"]), target.cfg, source)
 
 
-def _fill(module, weights: Weights, keys, to_public: Callable[[str], str], what: str, defaults=None) -> None:
+def fill(module, weights: Weights, keys, to_public: Callable[[str], str], what: str, defaults=None) -> None:
     """Load `keys` of `weights` (public names) into `module`, whose keys map to public names by `to_public`;
     `defaults` (our names) stand in for keys the checkpoint may omit."""
     src, defaults = weights.path, defaults or {}
@@ -239,105 +261,5 @@ def _few(names: list[str]) -> str:
     return str(names[:4])[:-1] + (", …]" if len(names) > 4 else "]")
 
 
-def _ignored(key: str) -> bool:
+def ignored(key: str) -> bool:
     return key.endswith("rotary_emb.inv_freq")
-
-
-# ---------------------------------------------------------------------------------------------- layouts
-
-
-def load_medusa(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
-    src = weights.path
-    keys = [k for k in weights.keys() if not _ignored(k)]
-    full_model = not src.name.startswith("medusa_lm_head")
-    prefix = "medusa_head." if full_model or any(k.startswith("medusa_head.") for k in keys) else ""
-    if full_model:
-        keys = [k for k in keys if k.startswith(prefix)]
-    parsed = [re.match(r"(\d+)\.(\d+)\.", k[len(prefix):]) for k in keys]
-    if not keys or not all(parsed):
-        bad = [k for k, m in zip(keys, parsed, strict=True) if not m][:4]
-        raise SpecrtError(f"{src} holds no Medusa heads ({{k}}.{{j}}.linear.weight) {bad or ''}: pass the folder "
-                          "with medusa_lm_head.safetensors / .pt")
-    num_heads = int(meta.get("medusa_num_heads") or 1 + max(int(m[1]) for m in parsed))
-    num_layers = meta.get("medusa_num_layers")
-    if num_layers is None:
-        num_layers = sum(1 for k in keys if re.fullmatch(r"0\.\d+\.linear\.weight", k[len(prefix):]))
-    num_layers = int(num_layers)
-    own_heads = any(k[len(prefix):] == f"{h}.{num_layers}.weight" for k in keys for h in range(num_heads))
-    module = _build(make_config("medusa", num_heads=num_heads, num_layers=num_layers, own_heads=own_heads), target)
-    _fill(module, weights, keys, lambda k: prefix + k.removeprefix("medusa_head."),
-          f"Medusa ({num_heads} heads × {num_layers} layers, from {folder / CONFIG})")
-    return module
-
-
-def load_eagle(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
-    _check_dims(meta, target, folder / CONFIG)
-    keys = [k for k in weights.keys() if not _ignored(k) and k != "embed_tokens.weight"]
-    fc_bias = "fc.bias" in keys or meta.get("bias") is True
-    cfg = make_config("eagle", fc_bias=fc_bias, input_norm="layers.0.input_layernorm.weight" in keys)
-    module = _build(cfg, target, _layer_dec(target, meta, keys, "layers.0.", folder / CONFIG))
-    _fill(module, weights, keys, lambda k: k, "one-layer EAGLE")
-    return module
-
-
-def load_eagle3(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
-    src = weights.path
-    _check_dims(meta, target, folder / CONFIG)
-    keys = [k for k in weights.keys() if not _ignored(k) and k not in ("embed_tokens.weight", "t2d")]
-    head = weights.tensors(["lm_head.weight"])["lm_head.weight"] if "lm_head.weight" in keys else None
-    draft_vocab = int(meta.get("draft_vocab_size") or (head.shape[0] if head is not None else target.cfg.vocab_size))
-    taps = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    taps = [int(t) for t in taps] if taps else default_taps(target.cfg.num_layers)
-    bad = [t for t in taps if not 0 <= t < target.cfg.num_layers]
-    if bad:
-        raise SpecrtError(f"{folder / CONFIG}: eagle_aux_hidden_state_layer_ids {taps} name layers the target lacks "
-                          f"(it has {target.cfg.num_layers}): {FIX}")
-    fc = weights.tensors(["fc.weight"])["fc.weight"] if "fc.weight" in keys else None
-    if fc is not None and fc.shape[-1] != len(taps) * target.cfg.hidden_size:
-        raise SpecrtError(f"{src}: fc.weight has shape {tuple(fc.shape)}, which fuses "
-                          f"{fc.shape[-1] / target.cfg.hidden_size:g} target layers, but the taps are {taps}: "
-                          "set eagle_config.eagle_aux_hidden_state_layer_ids in config.json, or " + FIX)
-    cfg = make_config("eagle3", taps=taps, draft_vocab_size=draft_vocab)
-    module = _build(cfg, target, _layer_dec(target, meta, keys, "midlayer.", folder / CONFIG))
-    # without d2t the draft vocabulary must be the target's (the identity map)
-    defaults = {"d2t": torch.zeros(draft_vocab, dtype=torch.int64)} if draft_vocab == target.cfg.vocab_size else {}
-    _fill(module, weights, keys, lambda k: k, "EAGLE-3", defaults)
-    ids = module.target_ids()
-    if int(ids.min()) < 0 or int(ids.max()) >= target.cfg.vocab_size:
-        raise SpecrtError(f"{src}: d2t maps draft ids to target ids outside 0..{target.cfg.vocab_size - 1}: {FIX}")
-    return module
-
-
-def load_mtp(folder: Path, meta: dict, weights: Weights, target: DecoderLM):
-    src = weights.path
-    _check_dims(meta, target, folder / CONFIG)
-    n, layers = int(meta["num_nextn_predict_layers"]), int(meta.get("num_hidden_layers", target.cfg.num_layers))
-    if layers != target.cfg.num_layers:
-        raise SpecrtError(f"{folder / CONFIG}: the MTP modules follow a {layers}-layer model, the target has "
-                          f"{target.cfg.num_layers} layers: {FIX}")
-    pattern = re.compile(r"model\.layers\.(\d+)\.")
-    keys = []
-    for k in weights.keys():
-        m = pattern.match(k)
-        if m and int(m[1]) >= layers and not _ignored(k) \
-                and not k.endswith((".embed_tokens.weight", ".shared_head.head.weight")):
-            keys.append(k)
-    moe = [k for k in keys if re.search(r"\.mlp\.(experts|shared_experts|gate)\.", k)]
-    if moe:
-        raise SpecrtError(f"{src}: the MTP blocks use a mixture-of-experts MLP ({moe[0]}); only dense Llama-style "
-                          "MLP blocks (gate_proj / up_proj / down_proj) are supported")
-    mla = [k for k in keys if re.search(r"\.self_attn\.(q_a_proj|kv_a_proj)", k)]
-    if mla:
-        raise SpecrtError(f"{src}: the MTP blocks use multi-head latent attention ({mla[0]}); only Llama-style "
-                          "attention (q_proj / k_proj / v_proj / o_proj) is supported")
-    cfg = make_config("mtp", num_modules=n, num_steps=max(n, 3))
-    module = _build(cfg, target, _layer_dec(target, {}, keys, f"model.layers.{layers}.", src))
-
-    def to_public(k: str) -> str:
-        _, idx, rest = k.split(".", 2)
-        return f"model.layers.{layers + int(idx)}.{rest.removeprefix('block.')}"
-
-    _fill(module, weights, keys, to_public, f"{n}-module MTP (layers {layers}..{layers + n - 1})")
-    return module
-
-

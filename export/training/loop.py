@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.export import drafters
-from specrt.export.drafters.eagle import default_taps
+from specrt.export.drafters.base import default_taps
 from specrt.export.loading import LoadedModel
 from specrt.export.training.datagen import DistillData, build_data
 from specrt.export.training.objectives import Batch, chain_tau

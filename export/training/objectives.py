@@ -1,16 +1,10 @@
-"""What each drafter kind learns from the cached target states (each kind's spec names its objective).
+"""What every drafter kind's objective shares (each kind's spec names its objective, in the kind's
+module export/drafters/<kind>.py, which documents what that kind learns).
 
 Notation: x[t] tokens, h[t] the target's last hidden state, p[t] its next-token distribution (soft
-labels: top-k, renormalized). Row r of a feature drafter reads x[r+1] and predicts x[r+2] ~ p[r+1].
-
-    draft    the truncated LM (its own forward maths), causal:   CE(p[t])
-    medusa   head k on h[t]:                                       CE(p[t+k]), weights 0.8^k
-    eagle    S unrolled steps ("training-time test"): step 1 reads h[r], step s reads its own
-             output of row r-1 from step s-1 and attends to real rows ≤ r-s+1 plus its own chain,
-             exactly as drafted rows do at run time:                CE(p[r+1]) + SmoothL1(f[r], h[r+1])
-    eagle3   as eagle, step 1 reads fc(low, mid, high), CE over the draft vocabulary only
-    mtp      module k (or the one module, reused) on module k-1's output of row r-1,
-             causal over its own rows (DeepSeek):                  CE(p[r+1])
+labels: top-k, renormalized). Row r of a feature drafter reads x[r+1] and predicts x[r+2] ~ p[r+1];
+`FeatureObjective` unrolls S steps, as drafted rows chain at run time ("training-time test" for
+EAGLE, each step causal over its own rows for MTP).
 
 Logits are computed over a label vocabulary (the most frequent target tokens, 8192 by default:
 they cover ~99% of the target's top-1 choices), which cuts the LM-head cost several-fold; label
@@ -100,42 +94,6 @@ class Objective:
         raise NotImplementedError
 
 
-class DraftObjective(Objective):
-    """The truncated LM's own forward maths (DecoderLM.hidden_states: embedding scale, per-layer windows
-    and RoPE tables, sandwich norms, softcaps), causal from an empty cache: what its graph exports."""
-
-    def logits(self, batch: Batch) -> torch.Tensor:
-        """Logits [B,T,|S|] over the label vocabulary of every row of `batch`."""
-        lm = self.m.lm
-        b, t = batch.tokens.shape
-        causal = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, -1, -1)
-        hidden, _ = lm.hidden_states(batch.tokens, torch.arange(t).expand(b, -1), torch.zeros(b, dtype=torch.long),
-                                     causal, lm.new_kv(b, t))
-        return lm.logits(hidden, self.sub_weight(lm.lm_head.weight))
-
-    def __call__(self, batch):
-        logits = self.logits(batch)
-        loss = soft_ce(logits, batch.label_ids, batch.label_p, batch.valid)
-        return loss, [top1_hits(logits, batch.label_top, batch.answer)]
-
-
-class MedusaObjective(Objective):
-    def __call__(self, batch):
-        feats = self.m.features(batch.hidden)  # [B,T,K,H]
-        loss, hits = 0.0, []
-        for k in range(self.m.cfg.num_heads):
-            if self.m.cfg.own_heads:
-                w = self.m.medusa_head[k][-1].weight[self.vocab]
-            else:
-                w = self.sub_weight(self.m.lm_head.weight)
-            logits = F.linear(feats[:, :, k], w)
-            ids, p = shift_rows(batch.label_ids, k + 1), shift_rows(batch.label_p, k + 1)
-            mask = shift_rows(batch.valid, k + 1)
-            loss = loss + 0.8**k * soft_ce(logits, ids, p, mask)
-            hits.append(top1_hits(logits, shift_rows(batch.label_top, k + 1), mask & shift_rows(batch.answer, k + 1)))
-        return loss, hits
-
-
 def ttt_mask(rows: int, step: int) -> torch.Tensor:
     """[rows, step·rows]: step `step` (1-based) row r sees real rows ≤ r-step+1 and, for each earlier
     unrolled step j ≥ 2, its row r-(step-j) (the drafted chain it extends), plus itself."""
@@ -186,50 +144,3 @@ class FeatureObjective(Objective):
             hits.append(top1_hits(logits, lab_top, ok & answer))
             prev = out
         return loss / self.steps, hits
-
-
-class EagleObjective(FeatureObjective):
-    regress = 1.0
-
-
-class Eagle3Objective(FeatureObjective):
-    """Labels live in the draft vocabulary (the label vocabulary *is* the draft vocabulary here)."""
-
-    def real_hidden(self, batch):
-        return self.m.fuse(batch.aux)
-
-    def head_weight_for(self, mod):
-        return mod.lm_head.weight
-
-
-class MtpObjective(FeatureObjective):
-    ttt = False
-
-    def __init__(self, module, data, label_vocab, steps=None):
-        super().__init__(module, data, label_vocab, steps or module.cfg.num_steps)
-
-    def module_for(self, step):
-        return self.m.mtp[self.m.cfg.module_for(step)]
-
-
-class BlockObjective(Objective):
-    """One pass per block: copy 0 holds the real rows, copy j the mask rows at depth j+1 of every anchor
-    (export/drafters/block.py's `block_mask`); copy j row r predicts p[r+j+1]. Labels in the draft
-    vocabulary, as EAGLE-3."""
-
-    def __call__(self, batch):
-        from specrt.export.drafters.block import block_logits
-
-        k = self.m.cfg.block_size
-        rows = batch.T - 1
-        ids = batch.tokens[:, 1:]
-        lab_ids, lab_p, lab_top = batch.label_ids[:, 1:], batch.label_p[:, 1:], batch.label_top[:, 1:]
-        valid, answer = batch.valid[:, 1:], batch.answer[:, 1:]
-        logits = block_logits(self.m, ids, self.m.fuse(batch.aux)[:, :rows])
-        loss, hits = 0.0, []
-        for j in range(k):
-            part = logits[:, j * rows : (j + 1) * rows]
-            ok = shift_rows(valid, j) & valid
-            loss = loss + soft_ce(part, shift_rows(lab_ids, j), shift_rows(lab_p, j), ok)
-            hits.append(top1_hits(part, shift_rows(lab_top, j), ok & shift_rows(answer, j)))
-        return loss / k, hits

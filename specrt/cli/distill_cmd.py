@@ -50,7 +50,7 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
     import torch
 
     from specrt.cli.train_cmd import _target_source
-    from specrt.export.drafters.eagle import default_taps
+    from specrt.export.drafters.base import default_taps
     from specrt.export.loading import load_model
     from specrt.export.training.corpus import load_prompts
     from specrt.export.training.distill import build_store, default_store, store_key

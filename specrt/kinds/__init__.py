@@ -5,18 +5,31 @@ A spec says everything the rest of specrt needs to know about a kind, so nothing
     runtime drafters   the names `generate --drafter` accepts and the class that runs each
     tune search        which search space `specrt tune` tries for each runtime drafter
     checkpoint         config and module classes, whether the target's LM head is shared
-    export             the graph writer (or the bundle role the kind fills), the public-checkpoint loader
+    export             the graph writer (or the bundle role the kind fills), the public-checkpoint
+                       layout rule and loader
     training           objective, warm start, extra options from the data, default epochs and rate
 
 Code is named by reference ("package.module:attribute") and imported only when used, so this
 package imports neither torch nor onnxruntime: the runtime resolves only runtime references, the
-exporter the torch ones. Adding a kind is adding a module here (and the code it names) plus tests;
-`tests/test_kind_coverage.py` fails until the kind has each kind of test.
+exporter the torch ones. A learned kind's code lives in its own module(s), export/drafters/<kind>.py:
+the torch module and config, the graph mix and writer, the objective, the public layout and loader.
+Adding a kind is adding a module here (and the code it names) plus tests;
+`tests/test_kind_coverage.py` fails until the kind has each kind of test, `tests/test_kind_refs.py`
+until every reference resolves.
+
+Kinds from outside this package (new files only, nothing here edited) are found two ways, each a
+module with a `SPEC` (or the spec itself):
+
+    SPECRT_KIND_MODULES=pkg.mod,other.mod   environment variable: comma-separated module names
+    entry points, group "specrt.kinds"      e.g. `[project.entry-points."specrt.kinds"] toy = "pkg.toy"`
+
+A kind named twice is refused. The registry is read once per value of SPECRT_KIND_MODULES.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +38,8 @@ from functools import cache
 from specrt.errors import SpecrtError
 
 AUTO = "auto"  # not a drafter of its own: each request runs the bundle's drafter that pays most
+MODULES_ENV = "SPECRT_KIND_MODULES"  # comma-separated modules with a `SPEC`: kinds from outside this package
+ENTRY_POINTS = "specrt.kinds"  # entry-point group of kinds from installed distributions
 
 
 def resolve(ref: str):
@@ -59,9 +74,13 @@ class DrafterSpec:
     shares_lm_head: Callable[[object], bool] = lambda cfg: True  # config -> the target's LM head is attached
     graphs: str | None = None  # (module, folder, target cfg, source, check_parity) -> (graphs, entry, parity)
     bundle_role: str | None = None  # exported as this role of the bundle instead of as a drafter ("draft")
+    public_layout: str | None = None  # a public.PublicLayout: whether a folder holds the kind's public layout
     public_loader: str | None = None  # (folder, meta, weights, target) -> module, for public checkpoints
     training: Training | None = None
     example_config: dict = field(default_factory=dict)  # a small valid config on a 2-layer target (tests)
+    # config of the random drafter the tests export with a tiny target of real vocabulary (49152; tests/helpers.py
+    # random_drafters); None: example_config
+    random_config: dict | None = None
     add_hint: str | None = None  # how a bundle gets the kind (default for learned kinds: train, then export)
 
     @property
@@ -82,11 +101,45 @@ class DrafterSpec:
         return self.name in manifest.drafters
 
 
-@cache
 def kinds() -> dict[str, DrafterSpec]:
-    """Every kind, in listing order (the modules of this package, each with a `SPEC`)."""
+    """Every kind, in listing order (`order`, then name): the modules of this package, each with a `SPEC`,
+    and those SPECRT_KIND_MODULES and the "specrt.kinds" entry points name."""
+    return _kinds(os.environ.get(MODULES_ENV, ""))
+
+
+def _spec_of(obj, where: str) -> DrafterSpec:
+    spec = obj if isinstance(obj, DrafterSpec) else getattr(obj, "SPEC", None)
+    if not isinstance(spec, DrafterSpec):
+        raise SpecrtError(f"{where} is no drafter kind: it holds no `SPEC = DrafterSpec(...)`")
+    return spec
+
+
+@cache
+def _entry_point_specs() -> tuple[DrafterSpec, ...]:
+    from importlib.metadata import entry_points
+
+    return tuple(_spec_of(ep.load(), f"entry point {ep.name} = {ep.value} ({ENTRY_POINTS})")
+                 for ep in entry_points(group=ENTRY_POINTS))
+
+
+@cache
+def _kinds(modules: str) -> dict[str, DrafterSpec]:
     specs = [importlib.import_module(f"{__name__}.{m.name}").SPEC for m in pkgutil.iter_modules(__path__)]
-    return {s.name: s for s in sorted(specs, key=lambda s: (s.order, s.name))}
+    specs += [_spec_of(importlib.import_module(m), f"module {m} ({MODULES_ENV})")
+              for m in (m.strip() for m in modules.split(",")) if m]
+    specs += _entry_point_specs()
+    out: dict[str, DrafterSpec] = {}
+    for s in sorted(specs, key=lambda s: (s.order, s.name)):
+        if s.name in out and out[s.name] is not s:
+            raise SpecrtError(f"drafter kind {s.name!r} is declared twice: rename one ({MODULES_ENV}, {ENTRY_POINTS})")
+        out[s.name] = s
+    return out
+
+
+def clear_cache() -> None:
+    """Read the registry again on next use (after a new entry point or module was installed)."""
+    _kinds.cache_clear()
+    _entry_point_specs.cache_clear()
 
 
 def kind(name: str) -> DrafterSpec:

@@ -8,7 +8,7 @@ SPEC = DrafterSpec(
     available="graph:draft",
     config="specrt.export.drafters.draft:DraftConfig", module="specrt.export.drafters.draft:TruncatedDraft",
     bundle_role="draft",
-    training=Training(objective="specrt.export.training.objectives:DraftObjective", epochs=10.0, lr=1e-4,
+    training=Training(objective="specrt.export.drafters.draft:DraftObjective", epochs=10.0, lr=1e-4,
                       test_epochs=6, test_options={"num_layers": 2}),
     example_config={"num_layers": 1},
     add_hint="`specrt export --draft-layers N` (the target's first N layers) or `specrt export --draft-model PATH`; "

@@ -7,9 +7,9 @@ SPEC = DrafterSpec(
     runtime={"eagle": "specrt.runtime.drafters.eagle:Eagle1", "eagle2": "specrt.runtime.drafters.eagle:Eagle2"},
     search={"eagle": "chain", "eagle2": "dynamic"},
     config="specrt.export.drafters.eagle:EagleConfig", module="specrt.export.drafters.eagle:EagleHead",
-    graphs="specrt.export.drafter_export:eagle_graphs",
-    public_loader="specrt.export.drafters.public:load_eagle",
-    training=Training(objective="specrt.export.training.objectives:EagleObjective", epochs=16.0, lr=6e-4,
+    graphs="specrt.export.drafters.eagle:eagle_graphs",
+    public_layout="specrt.export.drafters.eagle:PUBLIC", public_loader="specrt.export.drafters.eagle:load_eagle",
+    training=Training(objective="specrt.export.drafters.eagle:EagleObjective", epochs=16.0, lr=6e-4,
                       test_epochs=20),
     example_config={},
 )

@@ -7,9 +7,9 @@ SPEC = DrafterSpec(
     runtime={"medusa": "specrt.runtime.drafters.medusa:MedusaDrafter"}, search={"medusa": "stored_tree"},
     config="specrt.export.drafters.medusa:MedusaConfig", module="specrt.export.drafters.medusa:MedusaHeads",
     shares_lm_head=lambda cfg: not cfg.own_heads,
-    graphs="specrt.export.drafter_export:medusa_graphs",
-    public_loader="specrt.export.drafters.public:load_medusa",
-    training=Training(objective="specrt.export.training.objectives:MedusaObjective", epochs=6.0, lr=1e-3,
+    graphs="specrt.export.drafters.medusa:medusa_graphs",
+    public_layout="specrt.export.drafters.medusa:PUBLIC", public_loader="specrt.export.drafters.medusa:load_medusa",
+    training=Training(objective="specrt.export.drafters.medusa:MedusaObjective", epochs=6.0, lr=1e-3,
                       test_epochs=30),
-    example_config={"num_heads": 2},
+    example_config={"num_heads": 2}, random_config={"num_heads": 3},
 )

@@ -15,7 +15,9 @@ from specrt.export import drafters
 from specrt.export.bundle import parity
 from specrt.export.decoder_graph import build_decoder_graph
 from specrt.export.drafter_export import export_drafter, feature_parity
-from specrt.export.drafters.graphs import feature_graph, fuse_graph, medusa_graph
+from specrt.export.drafters.eagle3 import fuse_graph
+from specrt.export.drafters.graphs import feature_graph
+from specrt.export.drafters.medusa import medusa_graph
 from specrt.export.loading import module_from_hf
 from specrt.export.modeling import rope_cos_sin
 from specrt.export.training.objectives import ttt_mask
@@ -182,7 +184,7 @@ def test_missing_or_bad_checkpoint_files_fail_clearly(tmp_path, target):
 def test_an_eagle3_head_from_the_target_is_sliced_not_stored(tmp_path, target):
     from safetensors.torch import load_file
 
-    from specrt.export.drafters.eagle import eagle3_warm_start
+    from specrt.export.drafters.eagle3 import eagle3_warm_start
 
     vocab = torch.tensor([3, 7, 11, 40, 90])
     module = drafters.build(drafters.make_config("eagle3", taps=[0, 1], draft_vocab_size=5, head_from_target=True),
