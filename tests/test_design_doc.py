@@ -8,17 +8,9 @@ from pathlib import Path
 
 from specrt.engines.registry import BACKENDS
 from specrt.kinds import AUTO, kinds, learned_kinds, runtime_drafters
+from tests.markdown import markdown_section
 
 DESIGN = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
-
-
-def section(text: str, heading: str) -> str:
-    """The text under the markdown heading `heading` (any level), up to the next heading of that level or higher."""
-    match = re.search(rf"^(#+) {re.escape(heading)}\s*$", text, flags=re.M)
-    assert match, f"no heading {heading!r}"
-    level = len(match.group(1))
-    end = re.search(rf"^#{{1,{level}}} ", text[match.end():], flags=re.M)
-    return text[match.end(): match.end() + end.start()] if end else text[match.end():]
 
 
 def test_every_registered_kind_is_described():
@@ -27,13 +19,13 @@ def test_every_registered_kind_is_described():
 
 
 def test_every_drafter_name_is_in_the_drafters_section():
-    listed = section(DESIGN, "Drafters")
+    listed = markdown_section(DESIGN, "Drafters")
     missing = [name for name in [*kinds(), *runtime_drafters(), AUTO] if f"`{name}`" not in listed]
     assert not missing, f"docs/design.md's Drafters section lacks {missing}"
 
 
 def test_every_backend_is_in_the_backends_section():
-    listed = section(DESIGN, "Backends")
+    listed = markdown_section(DESIGN, "Backends")
     missing = [name for name in BACKENDS if f"`{name}`" not in listed]
     assert not missing, f"docs/design.md's Backends section lacks the backends {missing}"
 

@@ -8,19 +8,11 @@ from pathlib import Path
 
 from specrt.engines.registry import BACKENDS
 from specrt.kinds import AUTO, kinds, runtime_drafters
+from tests.markdown import markdown_section
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MAX_LINES = 260
-
-
-def section(text: str, heading: str) -> str:
-    """The text under the markdown heading `heading` (any level), up to the next heading of that level or higher."""
-    match = re.search(rf"^(#+) {re.escape(heading)}\s*$", text, flags=re.M)
-    assert match, f"README.md has no heading {heading!r}"
-    level = len(match.group(1))
-    end = re.search(rf"^#{{1,{level}}} ", text[match.end():], flags=re.M)
-    return text[match.end(): match.end() + end.start()] if end else text[match.end():]
 
 
 def test_readme_is_short():
@@ -30,7 +22,7 @@ def test_readme_is_short():
 
 
 def test_every_registered_kind_is_in_the_drafter_list():
-    listed = section(README, "Drafters")
+    listed = markdown_section(README, "Drafters")
     bullets = set(re.findall(r"^- `([\w-]+)`", listed, flags=re.M))
     missing = [name for name in [*kinds(), AUTO] if name not in bullets]
     assert not missing, f"README.md's Drafters list has no bullet for the kinds {missing}"
@@ -39,7 +31,7 @@ def test_every_registered_kind_is_in_the_drafter_list():
 
 
 def test_every_backend_is_named():
-    listed = section(README, "Backends")
+    listed = markdown_section(README, "Backends")
     missing = [name for name in BACKENDS if f"`{name}`" not in listed]
     assert not missing, f"README.md's Backends section lacks {missing}"
 
