@@ -17,13 +17,13 @@ Adding a kind is adding a module here (and the code it names) plus tests;
 `tests/test_kind_coverage.py` fails until the kind has each kind of test, `tests/test_kind_refs.py`
 until every reference resolves.
 
-Kinds from outside this package (new files only, nothing here edited) are found two ways, each a
-module with a `SPEC` (or the spec itself):
+Kinds from outside this package (new files only, nothing here edited) are modules with a `SPEC`
+named by an environment variable:
 
-    SPECRT_KIND_MODULES=pkg.mod,other.mod   environment variable: comma-separated module names
-    entry points, group "specrt.kinds"      e.g. `[project.entry-points."specrt.kinds"] toy = "pkg.toy"`
+    SPECRT_KIND_MODULES=pkg.mod,other.mod   comma-separated module names, importable from sys.path
 
-A kind named twice is refused. The registry is read once per value of SPECRT_KIND_MODULES.
+A kind named twice is refused. The registry is read once per value of SPECRT_KIND_MODULES. (Not
+entry points: scanning the installed distributions costs ~0.1 s at every start of `specrt`.)
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from specrt.errors import SpecrtError
 
 AUTO = "auto"  # not a drafter of its own: each request runs the bundle's drafter that pays most
 MODULES_ENV = "SPECRT_KIND_MODULES"  # comma-separated modules with a `SPEC`: kinds from outside this package
-ENTRY_POINTS = "specrt.kinds"  # entry-point group of kinds from installed distributions
 
 
 def resolve(ref: str):
@@ -103,7 +102,7 @@ class DrafterSpec:
 
 def kinds() -> dict[str, DrafterSpec]:
     """Every kind, in listing order (`order`, then name): the modules of this package, each with a `SPEC`,
-    and those SPECRT_KIND_MODULES and the "specrt.kinds" entry points name."""
+    and those SPECRT_KIND_MODULES names."""
     return _kinds(os.environ.get(MODULES_ENV, ""))
 
 
@@ -115,31 +114,21 @@ def _spec_of(obj, where: str) -> DrafterSpec:
 
 
 @cache
-def _entry_point_specs() -> tuple[DrafterSpec, ...]:
-    from importlib.metadata import entry_points
-
-    return tuple(_spec_of(ep.load(), f"entry point {ep.name} = {ep.value} ({ENTRY_POINTS})")
-                 for ep in entry_points(group=ENTRY_POINTS))
-
-
-@cache
 def _kinds(modules: str) -> dict[str, DrafterSpec]:
     specs = [importlib.import_module(f"{__name__}.{m.name}").SPEC for m in pkgutil.iter_modules(__path__)]
     specs += [_spec_of(importlib.import_module(m), f"module {m} ({MODULES_ENV})")
               for m in (m.strip() for m in modules.split(",")) if m]
-    specs += _entry_point_specs()
     out: dict[str, DrafterSpec] = {}
     for s in sorted(specs, key=lambda s: (s.order, s.name)):
         if s.name in out and out[s.name] is not s:
-            raise SpecrtError(f"drafter kind {s.name!r} is declared twice: rename one ({MODULES_ENV}, {ENTRY_POINTS})")
+            raise SpecrtError(f"drafter kind {s.name!r} is declared twice: rename one ({MODULES_ENV})")
         out[s.name] = s
     return out
 
 
 def clear_cache() -> None:
-    """Read the registry again on next use (after a new entry point or module was installed)."""
+    """Read the registry again on next use (after a module it names changed)."""
     _kinds.cache_clear()
-    _entry_point_specs.cache_clear()
 
 
 def kind(name: str) -> DrafterSpec:
