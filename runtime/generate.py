@@ -33,7 +33,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence
 from specrt.runtime.settings import Request, SpecSettings
 from specrt.runtime.stats import STAGES, Result, Stats  # noqa: F401  (re-exported: the public API)
-from specrt.runtime.target import WINDOW_MARGIN, TargetModel, kv_capacity  # noqa: F401  (re-exported)
+from specrt.runtime.target import TargetModel
 from specrt.runtime.text import TextAssembler
 from specrt.runtime.tree import Tree
 
@@ -164,10 +164,6 @@ class Generator:
     def max_depth(self) -> int:
         """The deepest draft the current drafter's tree allows (adaptive depth picks 0..this)."""
         return self.settings.depth_of(self.drafter_tree)
-
-    def new_drafter(self, drafter: str, tree: str | None = None) -> tuple[Drafter, Tree]:
-        """A fresh drafter instance (its own caches) with this generator's settings; (drafter, tree shape)."""
-        return self.pool.build(drafter, tree)
 
     def fresh_drafter(self) -> Drafter:
         """Another instance of the current drafter, configured exactly like it (name, tree, options) but

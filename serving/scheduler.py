@@ -41,10 +41,11 @@ import numpy as np
 from specrt.engines.registry import backend_entry
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
-from specrt.runtime.generate import WINDOW_MARGIN, Generator
+from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
 from specrt.runtime.stats import Result
+from specrt.runtime.target import WINDOW_MARGIN
 from specrt.runtime.tree import Tree
 from specrt.serving import pass_policy
 from specrt.serving.metrics import Metrics

@@ -106,8 +106,8 @@ def kinds() -> dict[str, DrafterSpec]:
     return _kinds(os.environ.get(MODULES_ENV, ""))
 
 
-def _spec_of(obj, where: str) -> DrafterSpec:
-    spec = obj if isinstance(obj, DrafterSpec) else getattr(obj, "SPEC", None)
+def _spec_of(module, where: str) -> DrafterSpec:
+    spec = getattr(module, "SPEC", None)
     if not isinstance(spec, DrafterSpec):
         raise SpecrtError(f"{where} is no drafter kind: it holds no `SPEC = DrafterSpec(...)`")
     return spec
@@ -124,11 +124,6 @@ def _kinds(modules: str) -> dict[str, DrafterSpec]:
             raise SpecrtError(f"drafter kind {s.name!r} is declared twice: rename one ({MODULES_ENV})")
         out[s.name] = s
     return out
-
-
-def clear_cache() -> None:
-    """Read the registry again on next use (after a module it names changed)."""
-    _kinds.cache_clear()
 
 
 def kind(name: str) -> DrafterSpec:
