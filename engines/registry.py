@@ -6,6 +6,8 @@
     ort-cuda    ONNX Runtime's CUDA provider (`pip install onnxruntime-gpu`), CUDA graphs per bucket
     trt         TensorRT engines built by `specrt build --backend trt`; needs `engine_path` and
                 `max_window` (see `trt_options`), batch 1, KV capacity as built
+    native      specrt's own CPU kernels (engines/native/): W4A8 products and attention whose rows do not depend
+                on how many rows share the pass; int4 Llama-family bundles; compiled on first use
     ort-fused   ONNX Runtime on the CPU, each layer's attention one GroupQueryAttention node
                 (engines/ort_cpu/fuse.py, written by `specrt build`): faster, verifies chains only; batches
                 sequences one row each (a window of several rows runs at batch 1)
@@ -57,6 +59,13 @@ def _trt(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int
     return TrtDecoder(engine_path, cfg, capacity, max_window, cuda_graphs=cuda_graphs)
 
 
+def _native(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
+            kernel: str = "auto") -> Decoder:
+    from specrt.engines.native.runner import NativeDecoder
+
+    return NativeDecoder(path, cfg, capacity, threads, batch, spin, kernel=kernel)
+
+
 @dataclass(frozen=True)
 class Backend:
     factory: Callable[..., Decoder]
@@ -76,6 +85,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "ort": Backend(_ort, "ONNX Runtime on the CPU (default)"),
+    "native": Backend(_native, "specrt's own batch-invariant int4 kernels on the CPU (int4 Llama-family bundles; "
+                      "compiled on first use)", graph_file=lambda bundle, manifest, role: Path(bundle) / manifest.graphs[role].file),
     "ort-device": Backend(_ort_device, "ONNX Runtime's device path on the CPU provider (for tests)"),
     "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
     "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",

@@ -42,6 +42,8 @@ BRANCHES: dict[str, Branch] = {b.name: b for b in (
            "bf16 autocast where the CPU reports avx512_bf16, amx_bf16 or Arm bf16; else fp32"),
     Branch("quant_engine", "SPECRT_QUANT_ENGINE", ("x86", "fbgemm", "onednn", "qnnpack"),
            "torch.backends.quantized.engine as torch sets it for this CPU (x86 on x86-64)"),
+    Branch("native_kernel", "SPECRT_NATIVE_KERNEL", ("scalar", "avx2", "avx512vnni"),
+           "the fastest kernel of the native backend this CPU executes (engines/native/library.py)"),
     Branch("exec_mode", "SPECRT_EXEC_MODE", tuple(MODES),
            "the cheapest mode measured batch-invariant on this machine (runtime/exactness.py)"),
 )}

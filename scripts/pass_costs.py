@@ -25,10 +25,19 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def prefill(bundle: str, tokens: int, threads: int) -> dict:
+def _branch(gen) -> dict:
+    """The backend and, for the native one, the kernel branch it took (and who chose it)."""
+    dec = gen.target
+    out = {"backend": gen.backend}
+    if getattr(dec, "kernel_record", None):
+        out["kernel"] = dec.kernel_record
+    return out
+
+
+def prefill(bundle: str, tokens: int, threads: int, backend: str = "ort") -> dict:
     from specrt.runtime.generate import Generator
 
-    gen = Generator(bundle, "plain", max_seq_len=tokens + 64, threads=threads)
+    gen = Generator(bundle, "plain", max_seq_len=tokens + 64, threads=threads, backend=backend)
     ids = np.random.default_rng(0).integers(0, gen.manifest.target.config.vocab_size, tokens).tolist()
     gen.forward(ids[:8], 0, rows=[7])  # warm-up
     seq = gen.sequence(ids, 1)
@@ -38,18 +47,18 @@ def prefill(bundle: str, tokens: int, threads: int) -> dict:
     seconds = time.perf_counter() - t0
     return {"engine": "specrt", "tokens": tokens, "seconds": round(seconds, 3),
             "ms_per_token": round(1e3 * seconds / tokens, 3), "peak_rss_mb": round(_rss_mb()),
-            "exec_mode": gen.exactness.mode.name}
+            "exec_mode": gen.exactness.mode.name, **_branch(gen)}
 
 
-def verify(bundle: str, context: int, threads: int, repeats: int = 20) -> dict:
+def verify(bundle: str, context: int, threads: int, repeats: int = 20, backend: str = "ort") -> dict:
     from specrt.runtime.generate import Generator
 
-    gen = Generator(bundle, "plain", max_seq_len=context + 64, threads=threads)
+    gen = Generator(bundle, "plain", max_seq_len=context + 64, threads=threads, backend=backend)
     rng = np.random.default_rng(0)
     vocab = gen.manifest.target.config.vocab_size
     gen.forward(rng.integers(0, vocab, context).tolist(), 0, rows=[context - 1])
     ms = {}
-    for k in (1, 2, 4, 8, 16):
+    for k in (1, 2, 4, 8, 16, 32):
         times = []
         for _ in range(repeats):
             window = rng.integers(0, vocab, k).tolist()
@@ -58,7 +67,8 @@ def verify(bundle: str, context: int, threads: int, repeats: int = 20) -> dict:
             times.append(time.perf_counter() - t0)
         ms[k] = round(1e3 * float(np.median(times)), 2)
     return {"engine": "specrt", "context": context, "verify_ms": ms,
-            "ratio_to_1": {k: round(v / ms[1], 2) for k, v in ms.items()}, "exec_mode": gen.exactness.mode.name}
+            "ratio_to_1": {k: round(v / ms[1], 2) for k, v in ms.items()}, "exec_mode": gen.exactness.mode.name,
+            **_branch(gen)}
 
 
 def prefill_ortgenai(model_dir: str, tokens: int, threads: int) -> dict:
@@ -90,11 +100,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="ort", help="the target's backend (engines/registry.py)")
     a = ap.parse_args()
     if a.what == "prefill":
-        out = prefill(a.path, a.tokens, a.threads)
+        out = prefill(a.path, a.tokens, a.threads, a.backend)
     elif a.what == "verify":
-        out = verify(a.path, a.context, a.threads)
+        out = verify(a.path, a.context, a.threads, backend=a.backend)
     else:
         out = prefill_ortgenai(a.path, a.tokens, a.threads)
     print(json.dumps(out))

@@ -1,0 +1,196 @@
+// The W4A8 kernels: a scalar reference (any CPU) and x86 kernels picked at run time, each computing
+// exactly the reference's integers and float sequence (see w4a8.h).
+#include "w4a8.h"
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPN_X86 1
+#endif
+
+namespace spn {
+namespace {
+
+// ── scalar reference ──────────────────────────────────────────────────────────────────────────────
+inline int nibble(const QWeight& w, int t, int b, int col, int k) {  // k: 0..31 within the block
+  int g = k / 4, j = k % 4;
+  uint8_t byte = w.packed[(static_cast<size_t>(t) * w.blocks + b) * kTileBytes + (g / 2) * 64 + col * 4 + j];
+  return (g % 2) ? (byte >> 4) : (byte & 15);
+}
+
+void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
+  for (int t = t0; t < t1; ++t) {
+    for (int r = 0; r < a.M; ++r) {
+      const int8_t* qa = a.q + static_cast<size_t>(r) * a.blocks * kBlock;
+      for (int col = 0; col < kTileN; ++col) {
+        int n = t * kTileN + col;
+        if (n >= w.N) break;
+        float acc = 0.0f;
+        for (int b = 0; b < w.blocks; ++b) {
+          int32_t isum = 0;
+          for (int k = 0; k < kBlock; ++k) isum += nibble(w, t, b, col, k) * qa[b * kBlock + k];
+          float ws = w.scales[(static_cast<size_t>(t) * w.blocks + b) * kTileN + col];
+          float sc = ws * a.scale[r * a.blocks + b];
+          acc = std::fma(static_cast<float>(isum - a.corr[r * a.blocks + b]), sc, acc);
+        }
+        y[static_cast<size_t>(r) * ldy + n] = w.bias ? acc + w.bias[n] : acc;
+      }
+    }
+  }
+}
+
+#ifdef SPN_X86
+// Stores the 16 columns of a tile, the tail cut to N, the bias added after the block sum (as the reference).
+inline void store_tile(const QWeight& w, int t, const float* acc16, float* yrow) {
+  int n0 = t * kTileN;
+  int n = w.N - n0 < kTileN ? w.N - n0 : kTileN;
+  for (int i = 0; i < n; ++i) yrow[n0 + i] = w.bias ? acc16[i] + w.bias[n0 + i] : acc16[i];
+}
+
+// ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs; |15*127*2| < 2^15, never saturates) + vpmaddwd -> s32 ─────────
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct& a, int r0, int t, float* y,
+                                                    int ldy) {
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
+  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
+  for (int b = 0; b < w.blocks; ++b) {
+    __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups
+    for (int c = 0; c < 4; ++c) {
+      __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * kTileBytes + c * 64));
+      __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * kTileBytes + c * 64 + 32));
+      wl[2 * c] = _mm256_and_si256(v0, m4);
+      wl[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+      wh[2 * c] = _mm256_and_si256(v1, m4);
+      wh[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+    }
+    __m256 wsl = _mm256_loadu_ps(ws + b * kTileN), wsh = _mm256_loadu_ps(ws + b * kTileN + 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int row = r0 + r;
+      const int8_t* qa = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
+      __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        int32_t four;
+        std::memcpy(&four, qa + 4 * g, 4);
+        __m256i av = _mm256_set1_epi32(four);
+        sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(wl[g], av), ones));
+        sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_maddubs_epi16(wh[g], av), ones));
+      }
+      __m256i corr = _mm256_set1_epi32(a.corr[row * a.blocks + b]);
+      __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
+      lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sl, corr)), _mm256_mul_ps(wsl, as), lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sh, corr)), _mm256_mul_ps(wsh, as), hi[r]);
+    }
+  }
+  alignas(32) float out[kTileN];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(out, lo[r]);
+    _mm256_store_ps(out + 8, hi[r]);
+    store_tile(w, t, out, y + static_cast<size_t>(r0 + r) * ldy);
+  }
+}
+
+// ── AVX-512 VNNI: one vpdpbusd multiplies 4 inputs of 16 columns by a broadcast dword of activations ───────
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vnni(const QWeight& w,
+                                                                                   const QAct& a, int r0, int t,
+                                                                                   float* y, int ldy) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
+  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
+  for (int b = 0; b < w.blocks; ++b) {
+    __m512i wv[8];
+    for (int c = 0; c < 4; ++c) {
+      __m512i v = _mm512_load_si512(wp + b * kTileBytes + c * 64);
+      wv[2 * c] = _mm512_and_si512(v, m4);
+      wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int row = r0 + r;
+      const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock);
+      // the sum starts at -8 * sum(q_a) (the zero point); with one row, two chains (even / odd groups) hide
+      // the latency. Integer sums either way: neither choice can change the result.
+      __m512i s = _mm512_set1_epi32(-a.corr[row * a.blocks + b]);
+      if (R == 1) {
+        __m512i s1 = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g += 2) {
+          s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(qa[g]));
+          s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(qa[g + 1]));
+        }
+        s = _mm512_add_epi32(s, s1);
+      } else {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(qa[g]));
+      }
+      __m512 sc = _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[r]);
+    }
+  }
+  alignas(64) float out[kTileN];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(out, acc[r]);
+    store_tile(w, t, out, y + static_cast<size_t>(r0 + r) * ldy);
+  }
+}
+
+using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
+
+const TileFn kAvx2Tiles[kRowTile + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
+                                    tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
+const TileFn kVnniTiles[kRowTile + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>,
+                                    tile_vnni<5>, tile_vnni<6>, tile_vnni<7>, tile_vnni<8>};
+
+void gemm_tiles(const TileFn* fns, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
+  for (int t = t0; t < t1; ++t) {
+    for (int r0 = 0; r0 < a.M; r0 += kRowTile) {
+      int rows = a.M - r0 < kRowTile ? a.M - r0 : kRowTile;
+      fns[rows](w, a, r0, t, y, ldy);
+    }
+  }
+}
+#endif  // SPN_X86
+
+}  // namespace
+
+bool isa_supported(Isa isa) {
+  switch (isa) {
+    case kScalar:
+      return true;
+#ifdef SPN_X86
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+             __builtin_cpu_supports("fma");
+#endif
+    default:
+      return false;
+  }
+}
+
+void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
+  switch (isa) {
+#ifdef SPN_X86
+    case kAvx2:
+      gemm_tiles(kAvx2Tiles, w, a, y, ldy, t0, t1);
+      return;
+    case kAvx512Vnni:
+      gemm_tiles(kVnniTiles, w, a, y, ldy, t0, t1);
+      return;
+#endif
+    default:
+      gemm_scalar(w, a, y, ldy, t0, t1);
+  }
+}
+
+}  // namespace spn

@@ -1,0 +1,135 @@
+"""The native backend: a bundle's int4 target run by specrt's own kernels (csrc/), every row of every pass
+computed by one per-row arithmetic, so a pass over many rows gives each row bitwise what a one-row pass gives.
+
+KV buffers are numpy arrays of the `ort` backend's layout ([batch, kv_heads, capacity, head_dim] per layer,
+key and value), written in place by the pass; `compact` moves accepted tree rows as the `ort` runner does.
+Output buffers are reused across passes while nothing else refers to them (as engines/ort_cpu/runner.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from specrt.engines.decoder import Decoder
+from specrt.engines.native import library
+from specrt.engines.native.weights import PROJECTIONS, read, rope_tables
+from specrt.errors import SpecrtError
+from specrt.schema.config import DecoderConfig
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+class NativeDecoder(Decoder):
+    def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1,
+                 spin: bool = True, kernel: str = "auto"):
+        if not Path(path).is_file():
+            raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
+        self.lib = library.load()
+        self.kernel, self.kernel_record = library.kernel(kernel)
+        w = read(Path(path), cfg)
+        self.path, self.cfg, self.capacity, self.batch, self.threads = Path(path), cfg, capacity, batch, threads
+        self.taps = list(w.taps)
+        lib = self.lib
+        h = lib.spn_model_new(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.intermediate_size, cfg.vocab_size, float(cfg.rms_norm_eps), float(cfg.embed_scale),
+                              library.KERNELS[self.kernel], int(threads))
+        if not h:
+            raise SpecrtError(f"native backend: {library.last_error()}")
+        self._h = h
+        ok = lib.spn_set_embed(h, _ptr(w.embed)) == 0 and lib.spn_set_norm(h, 0, 2, _ptr(w.final_norm)) == 0
+        for i, ((ln1, ln2), projections) in enumerate(zip(w.norms, w.layers, strict=True)):
+            ok &= lib.spn_set_norm(h, i, 0, _ptr(ln1)) == 0 and lib.spn_set_norm(h, i, 1, _ptr(ln2)) == 0
+            for which, name in enumerate(PROJECTIONS):
+                ok &= self._set_linear(i, which, projections[name])
+        ok &= self._set_linear(-1, 0, w.head)
+        # positions a pass may reach: the KV rows plus the padded rows an execution mode adds
+        self.rope_rows = capacity + 64
+        cos, sin = rope_tables(cfg, self.rope_rows)
+        ok &= lib.spn_set_rope(h, self.rope_rows, _ptr(cos), _ptr(sin)) == 0
+        taps = np.asarray(self.taps, np.int32)
+        ok &= lib.spn_set_taps(h, len(taps), _ptr(taps)) == 0
+        if not ok:
+            raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.kv = [np.zeros(shape, np.float32) for _ in range(2 * cfg.num_layers)]
+        self._slot_stride = cfg.num_kv_heads * capacity * cfg.head_dim
+        self._kv_ptrs: dict[int, ctypes.Array] = {}
+        self.slots = (0, batch)
+        self._outputs: dict[str, list] = {}
+
+    def _set_linear(self, layer: int, which: int, lin) -> bool:
+        return self.lib.spn_set_linear(self._h, layer, which, lin.k, lin.n, _ptr(lin.q), _ptr(lin.scales),
+                                       _ptr(lin.bias)) == 0
+
+    def __del__(self):
+        h = getattr(self, "_h", None)
+        if h:
+            self.lib.spn_model_free(h)
+            self._h = None
+
+    def output_shape(self, name: str) -> tuple | None:
+        cfg = self.cfg
+        shapes = {"logits": ("batch", "rows", cfg.vocab_size), "hidden_states": ("batch", "tokens", cfg.hidden_size)}
+        if self.taps:
+            shapes["aux_hidden_states"] = ("batch", "tokens", len(self.taps) * cfg.hidden_size)
+        return shapes.get(name)
+
+    def select(self, start: int, stop: int) -> None:
+        self.check_slots(start, stop)
+        self.slots = (start, stop)
+
+    def _kv_pointers(self, start: int) -> ctypes.Array:
+        if start not in self._kv_ptrs:
+            arr = (ctypes.c_void_p * len(self.kv))(*[buf[start].ctypes.data for buf in self.kv])
+            self._kv_ptrs[start] = arr
+        return self._kv_ptrs[start]
+
+    def _buffer(self, name: str, shape: tuple) -> np.ndarray:
+        """Output `name`'s buffer: the last one when it has `shape` and the caller no longer holds it."""
+        held = self._outputs.get(name)
+        if held is not None and held[0].shape == shape and sys.getrefcount(held[0]) == held[1]:
+            return held[0]
+        buf = np.empty(shape, np.float32)
+        self._outputs[name] = held = [buf, 0]
+        held[1] = sys.getrefcount(buf) - 1  # this list's reference, with `buf` gone at return
+        return buf
+
+    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, **extra) -> dict[str, np.ndarray]:
+        if extra:
+            raise SpecrtError(f"the native backend's target graph takes no input {', '.join(sorted(extra))}")
+        start, stop = self.slots
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        b, t = ids.shape
+        if b != stop - start:
+            raise SpecrtError(f"internal: a pass of {b} sequences over slots {start}..{stop - 1}")
+        pos = np.ascontiguousarray(position_ids, np.int64).reshape(b, t)
+        past = np.ascontiguousarray(past_len, np.int64).reshape(b)
+        mask = np.ascontiguousarray(tree_mask, np.bool_).reshape(b, t, t)
+        index = np.ascontiguousarray(logits_index, np.int64)
+        r = index.shape[1]
+        self.check_rows(past, t)
+        if int(pos.max(initial=0)) >= self.rope_rows:
+            raise SpecrtError(f"position {int(pos.max())} is past this decoder's rotary table ({self.rope_rows} rows)")
+        cfg = self.cfg
+        out = {"logits": self._buffer("logits", (b, r, cfg.vocab_size)),
+               "hidden_states": self._buffer("hidden_states", (b, t, cfg.hidden_size))}
+        if self.taps:
+            out["aux_hidden_states"] = self._buffer("aux_hidden_states", (b, t, len(self.taps) * cfg.hidden_size))
+        rc = self.lib.spn_pass(self._h, b, t, _ptr(ids), _ptr(pos), _ptr(past), _ptr(mask), r, _ptr(index),
+                               self._kv_pointers(start), self._slot_stride, self.capacity, _ptr(out["logits"]),
+                               _ptr(out["hidden_states"]), _ptr(out.get("aux_hidden_states")))
+        if rc != 0:
+            raise SpecrtError(f"native pass failed: {library.last_error()}")
+        return out
+
+    def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
+        src = np.asarray(rows)
+        s = slice(None) if slot is None else slice(slot, slot + 1)
+        for buf in self.kv:
+            buf[s, :, dst : dst + len(rows)] = buf[s, :, src]

@@ -1,0 +1,121 @@
+"""A bundle's int4 decoder graph read as the native pass's weights: what each initializer is, by the names
+export/decoder_graph.py gives them, and what the native pass does not compute (refused, named).
+
+The graph stays the source of truth: the native backend runs the same int4 weights (`MatMulNBits`, block 32,
+symmetric) and the same norms, embedding and rotary frequencies as `--backend ort`; it computes them with its
+own batch-invariant kernels (csrc/), so it is its own exactness reference, as each backend is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from specrt.errors import SpecrtError
+from specrt.schema.config import DecoderConfig
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C API's order (spn_set_linear `which`)
+
+
+@dataclass
+class Linear:
+    k: int
+    n: int
+    q: np.ndarray  # uint8 [N, blocks, 16]: MatMulNBits' packing
+    scales: np.ndarray  # float32 [N, blocks]
+    bias: np.ndarray | None = None
+
+
+@dataclass
+class Weights:
+    embed: np.ndarray  # [V, H]
+    norms: list[tuple[np.ndarray, np.ndarray]]  # per layer: input, post-attention
+    final_norm: np.ndarray
+    layers: list[dict[str, Linear]]
+    head: Linear
+    taps: list[int] = field(default_factory=list)  # layers whose inputs are aux_hidden_states, in order
+
+
+def unsupported(cfg: DecoderConfig) -> str:
+    """What of `cfg` the native pass does not compute, as a phrase; "" when it computes it all."""
+    checks = (
+        (bool(cfg.qk_norm), "qk-norm"),
+        (bool(cfg.sandwich_norms), "sandwich norms"),
+        (any(cfg.layer_windows), "sliding-window layers"),
+        (any(cfg.layer_rope), "per-layer RoPE tables"),
+        (bool(cfg.attn_logit_softcapping), "attention softcapping"),
+        (bool(cfg.final_logit_softcapping), "logit softcapping"),
+        (cfg.activation != "silu", f"the {cfg.activation} activation"),
+        (cfg.num_heads % cfg.num_kv_heads != 0, "query heads not a multiple of KV heads"),
+        (cfg.head_dim % 2 != 0, "an odd head_dim"),
+    )
+    return ", ".join(why for bad, why in checks if bad)
+
+
+def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("bits") != 4 or attrs.get("block_size") != 32 or len(node.input) > 3 and node.input[3]:
+        raise SpecrtError(f"{path}: {node.name} is not symmetric 4-bit, block 32 (bits {attrs.get('bits')}, block "
+                          f"{attrs.get('block_size')}): the native backend runs int4 bundles (`specrt export "
+                          "--quantize int4`); use --backend ort")
+    k, n = int(attrs["K"]), int(attrs["N"])
+    q = numpy_helper.to_array(inits[node.input[1]]).reshape(n, -1, 16)
+    scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(n, -1)
+    return Linear(k, n, np.ascontiguousarray(q, np.uint8), np.ascontiguousarray(scales))
+
+
+def read(path: Path, cfg: DecoderConfig) -> Weights:
+    """The weights of the decoder graph at `path`, checked against what the native pass computes."""
+    why = unsupported(cfg)
+    if why:
+        raise SpecrtError(f"the native backend does not compute {why} ({cfg.model_type}): use --backend ort")
+    model = onnx.load(str(path), load_external_data=True)
+    inits = {t.name: t for t in model.graph.initializer}
+    arr = lambda name: numpy_helper.to_array(inits[name]).astype(np.float32)  # noqa: E731
+    by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+    plain = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
+             and n.input[1] in inits]
+    if plain or not by_weight:
+        raise SpecrtError(f"{path} has float projections ({(plain or ['no MatMulNBits'])[0]}): the native backend "
+                          "runs int4 bundles (`specrt export --quantize int4`); use --backend ort")
+
+    def linear(weight: str, bias: str = "") -> Linear:
+        """The int4 projection quantized from initializer `weight` (the quantizer names it `<weight>_Q4`)."""
+        hits = [n for w, n in by_weight.items() if w.startswith(weight + "_")]
+        if len(hits) != 1:
+            raise SpecrtError(f"{path}: expected one int4 projection of {weight}, found {len(hits)}: export the "
+                              "bundle again")
+        lin = _nbits(hits[0], inits, path)
+        if bias in inits:
+            lin.bias = np.ascontiguousarray(arr(bias))
+        return lin
+
+    layers, norms = [], []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        layers.append({name: linear(f"{p}.{name}.weight", f"{p}.{name}.bias") for name in PROJECTIONS})
+        norms.append((arr(f"{p}.input_layernorm.weight"), arr(f"{p}.post_attention_layernorm.weight")))
+    head = linear("model.embed_tokens.weight.T" if cfg.tie_word_embeddings else "lm_head.weight.T")
+    # the inputs of the tapped layers, by the input norm that reads each one
+    layer_of = {n.input[0]: int(n.input[1].split(".")[2]) for n in model.graph.node
+                if n.op_type == "RMSNormalization" and n.input[1].endswith(".input_layernorm.weight")}
+    concat = [n for n in model.graph.node if n.op_type == "Concat" and "aux_hidden_states" in n.output]
+    taps = [layer_of[x] for x in concat[0].input] if concat else []
+    return Weights(np.ascontiguousarray(arr("model.embed_tokens.weight")), norms, arr("model.norm.weight"), layers,
+                   head, taps)
+
+
+def rope_tables(cfg: DecoderConfig, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [rows, d/2] at positions 0..rows-1: float32 positions times the float32 frequencies, as the
+    graph's rotary nodes compute them, the cosine and sine taken in float64 (the same on every CPU)."""
+    inv_freq, scaling = cfg.rope_table(0)
+    freqs = np.arange(rows, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    cos = np.cos(freqs.astype(np.float64)).astype(np.float32)
+    sin = np.sin(freqs.astype(np.float64)).astype(np.float32)
+    if scaling != 1.0:
+        cos, sin = cos * np.float32(scaling), sin * np.float32(scaling)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
