@@ -100,6 +100,43 @@ BACKENDS: dict[str, Backend] = {
 BASE_ARGS = ("path", "cfg", "capacity", "threads", "batch", "spin")
 
 
+AUTO = "auto"  # the backend a caller gets when it names none: `resolve_backend`
+
+
+def native_unavailable(bundle: Path, manifest) -> str:
+    """Why the native backend cannot run this bundle's target here, as a phrase; "" when it can."""
+    from specrt.engines.native import library
+    from specrt.engines.native.weights import unsupported
+
+    quant = manifest.artifacts.get("quantization", {})
+    if quant.get("scheme") != "int4" or not quant.get("matmuls", {}).get("target"):
+        return "the bundle is not int4 (`specrt export --quantize int4`)"
+    why = unsupported(manifest.target.config)
+    if why:
+        return f"it does not compute {why}"
+    try:
+        kernels = library.available()
+    except SpecrtError as e:
+        return str(e).split(";")[0]
+    if kernels[-1] == "scalar":
+        return "this CPU has no AVX2 (its scalar kernel is a reference, slower than ort)"
+    return ""
+
+
+def resolve_backend(requested: str, bundle: Path, manifest) -> tuple[str, str]:
+    """(the backend to run, a one-line note or ""): `requested` unless it is auto; auto is the fastest exact
+    backend for the bundle here: `native` for an int4 bundle it computes on a CPU with AVX2, else `ort`. The
+    note says why auto passed native over where the bundle is int4."""
+    if requested != AUTO:
+        backend_entry(requested)
+        return requested, ""
+    why = native_unavailable(Path(bundle), manifest)
+    if not why:
+        return "native", ""
+    int4 = manifest.artifacts.get("quantization", {}).get("scheme") == "int4"
+    return "ort", (f"note: --backend auto runs ort: the native backend cannot run here ({why})" if int4 else "")
+
+
 def backend_entry(name: str) -> Backend:
     if name not in BACKENDS:
         raise SpecrtError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")

@@ -44,7 +44,7 @@ class Generator:
 
     def __init__(self, bundle: str | Path, drafter: str = "plain", max_seq_len: int | None = None,
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
-                 acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "ort",
+                 acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "auto",
                  exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False,
                  auto_candidates: Iterable[str] | None = None, **drafter_options):
         """`drafter` "auto": each request runs the candidate drafter (`auto_candidates`, default every

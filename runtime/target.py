@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.registry import backend_entry, open_decoder
+from specrt.engines.registry import backend_entry, open_decoder, resolve_backend
 from specrt.errors import SpecrtError
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
@@ -44,7 +44,7 @@ def kv_capacity(max_seq_len: int | None, cfg) -> int:
 class TargetModel:
     """A bundle's target graph, ready to run: see Generator for the arguments."""
 
-    def __init__(self, bundle: str | Path, max_seq_len: int | None = None, threads: int = 2, backend: str = "ort",
+    def __init__(self, bundle: str | Path, max_seq_len: int | None = None, threads: int = 2, backend: str = "auto",
                  exec_mode: str = "auto", slots: int = 1, allow_inexact: bool = False, verify: bool = False):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
@@ -54,6 +54,9 @@ class TargetModel:
         self.eos = frozenset(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
+        backend, why = resolve_backend(backend, self.bundle, self.manifest)  # auto: the fastest exact one here
+        if why:
+            self.note(why)
         self.exactness: Exactness = resolve(self.bundle, self.manifest, threads, backend, exec_mode, self.capacity,
                                             batched=int(slots) > 1)
         self.allow_inexact = allow_inexact

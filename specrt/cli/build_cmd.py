@@ -10,7 +10,8 @@ from specrt.cli.options import bundle_argument, echo_exactness, resolve_bundle
 @click.command("build")
 @bundle_argument
 @click.option("--backend", type=click.Choice(["auto", "ort", "trt"]), default="auto", show_default=True,
-              help="auto: ONNX Runtime artifacts, plus TensorRT engines when TensorRT is installed.")
+              help="auto: ONNX Runtime artifacts (and the native kernels, compiled and measured, for an int4 "
+                   "bundle they run), plus TensorRT engines when TensorRT is installed.")
 @click.option("--precision", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", show_default=True,
               help="TensorRT precision.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
@@ -26,6 +27,7 @@ def command(bundle, backend, precision, max_seq_len, max_window, threads):
     """Build engines for BUNDLE and record them in its manifest, with the batch invariance of the
     target measured on this machine (the execution mode the runtime then uses here)."""
     from specrt.engines.ort_cpu.build import build_ort
+    from specrt.engines.registry import resolve_backend
     from specrt.engines.trt.build import INSTALL_HINT, build_trt, tensorrt_available
     from specrt.runtime.exactness import measure_record, store_in_manifest
     from specrt.schema.manifest import Manifest
@@ -40,6 +42,14 @@ def command(bundle, backend, precision, max_seq_len, max_window, threads):
         store_in_manifest(manifest, record)
         manifest.save(path)
         echo_exactness(record)
+        native, why = resolve_backend("auto", path, manifest)
+        if native == "native":  # the runtime's default backend here: compiled and measured now, not at first use
+            record = measure_record(path, manifest, threads, "native")
+            store_in_manifest(manifest, record)
+            manifest.save(path)
+            echo_exactness(record)
+        elif why:
+            click.echo(why)
     if backend == "trt" or (backend == "auto" and tensorrt_available()):
         manifest.artifacts["tensorrt"] = build_trt(path, manifest, precision, capacity=max_seq_len,
                                                    max_window=max_window)

@@ -73,8 +73,10 @@ def runtime_options(f):
                      help="KV capacity in tokens (prompt + output). Default: min(2048, model maximum)."),
         click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
                      help="ONNX Runtime intra-op threads."),
-        click.option("--backend", type=click.Choice(list(BACKENDS)), default="ort",
-                     show_default=True, help="The target's backend: ort (ONNX Runtime, CPU), ort-fused (ONNX Runtime, "
+        click.option("--backend", type=click.Choice(["auto", *BACKENDS]), default="auto",
+                     show_default=True, help="The target's backend: auto (native for an int4 Llama-family bundle on a "
+                     "CPU with AVX2, else ort), native (specrt's own batch-invariant int4 kernels, compiled on first "
+                     "use), ort (ONNX Runtime, CPU), ort-fused (ONNX Runtime, "
                      "CPU, attention fused into GroupQueryAttention by `specrt build`: faster; it verifies chains "
                      "only, so a tree draft is cut to its top-ranked path), ort-cuda (ONNX Runtime's CUDA provider, "
                      "onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), ort-device (the "
@@ -133,7 +135,7 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
-                   backend="ort", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
+                   backend="auto", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
                    suffix_store=None, suffix_min_prob=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.

@@ -2,17 +2,17 @@
 // grouped-query tree attention over an in-place KV cache, SiLU MLP, tied or separate LM head) run over any
 // number of rows of any number of sequences in one call, every row computed by the same per-row arithmetic:
 // W4A8 products (w4a8.h), per-row element-wise operations and per-row attention (ops.inc). A C API for ctypes.
-#include <omp.h>
-
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 #include "w4a8.h"
 
 namespace spn {
@@ -104,6 +104,7 @@ struct Model {
   std::vector<float> x, h, qkv, attn, gu, act, rows, scores;
   std::vector<int> extra;
   ActBuffer qa;
+  std::unique_ptr<Pool> pool;
 };
 
 // Rows [lo, hi) of n for thread `tid` of `nt`: static and contiguous.
@@ -114,16 +115,17 @@ static inline void share(int n, int tid, int nt, int& lo, int& hi) {
 
 static void linear(Model& m, const QWeight& w, const float* x, int M, int ldx, float* y, int tid, int nt,
                    const Ops& ops) {
+  Pool& pool = *m.pool;
   QAct a = m.qa;  // the buffer, viewed as M rows of this product's blocks
   a.M = M;
   a.blocks = w.blocks;
   int lo, hi;
   share(M, tid, nt, lo, hi);
   for (int r = lo; r < hi; ++r) ops.quantize_row(x + static_cast<size_t>(r) * ldx, w.K, a, r);
-#pragma omp barrier
+pool.barrier();
   share(w.tiles, tid, nt, lo, hi);
   gemm(m.isa, w, a, y, w.N, lo, hi);
-#pragma omp barrier
+pool.barrier();
 }
 
 struct PassArgs {
@@ -157,14 +159,14 @@ static void run_pass(Model& m, const PassArgs& p) {
   m.rows.resize(static_cast<size_t>(p.B) * p.R * H);
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
+  if (!m.pool || m.pool->size() != m.threads) m.pool = std::make_unique<Pool>(m.threads);
   const int nt = m.threads;
   m.scores.resize(static_cast<size_t>(nt) * (max_past + p.T));
   m.extra.resize(static_cast<size_t>(nt) * p.T);
   m.qa.reserve(M > p.B * p.R ? M : p.B * p.R, max_k);
 
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num();
+  Pool& pool = *m.pool;
+  pool.run([&](int tid, int) {
     int lo, hi;
     share(M, tid, nt, lo, hi);
     for (int r = lo; r < hi; ++r) {
@@ -172,7 +174,7 @@ static void run_pass(Model& m, const PassArgs& p) {
       float* xr = m.x.data() + static_cast<size_t>(r) * H;
       for (int i = 0; i < H; ++i) xr[i] = m.embed_scale == 1.0f ? e[i] : e[i] * m.embed_scale;
     }
-#pragma omp barrier
+pool.barrier();
     for (int l = 0; l < m.L; ++l) {
       Layer& layer = m.layers[l];
       for (int t = 0; t < ntaps; ++t) {
@@ -184,7 +186,7 @@ static void run_pass(Model& m, const PassArgs& p) {
       for (int r = lo; r < hi; ++r)
         ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, layer.ln1.data(), m.eps,
                         m.h.data() + static_cast<size_t>(r) * H);
-#pragma omp barrier
+pool.barrier();
       linear(m, layer.qkv, m.h.data(), M, H, m.qkv.data(), tid, nt, ops);
       float* kc = p.kv[2 * l];
       float* vc = p.kv[2 * l + 1];
@@ -200,7 +202,7 @@ static void run_pass(Model& m, const PassArgs& p) {
           std::memcpy(vc + off, row + nq + (m.kvh + kh) * d, d * sizeof(float));
         }
       }
-#pragma omp barrier
+pool.barrier();
       {  // attention: (row, query head) items split over threads
         int alo, ahi;
         share(M * m.nh, tid, nt, alo, ahi);
@@ -222,27 +224,27 @@ static void run_pass(Model& m, const PassArgs& p) {
                      n_extra, scores, m.attn.data() + static_cast<size_t>(r) * nq + qh * d);
         }
       }
-#pragma omp barrier
+pool.barrier();
       linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), tid, nt, ops);
       for (int r = lo; r < hi; ++r) {
         float* xr = m.x.data() + static_cast<size_t>(r) * H;
         ops.add_row(xr, m.h.data() + static_cast<size_t>(r) * H, H);
         ops.rmsnorm_row(xr, H, layer.ln2.data(), m.eps, m.h.data() + static_cast<size_t>(r) * H);
       }
-#pragma omp barrier
+pool.barrier();
       linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), tid, nt, ops);
       for (int r = lo; r < hi; ++r)
         ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
-#pragma omp barrier
+pool.barrier();
       linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), tid, nt, ops);
       for (int r = lo; r < hi; ++r)
         ops.add_row(m.x.data() + static_cast<size_t>(r) * H, m.h.data() + static_cast<size_t>(r) * H, H);
-#pragma omp barrier
+pool.barrier();
     }
     for (int r = lo; r < hi; ++r)
       ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
                       p.hidden + static_cast<size_t>(r) * H);
-#pragma omp barrier
+pool.barrier();
     int glo, ghi;
     share(p.B * p.R, tid, nt, glo, ghi);
     for (int i = glo; i < ghi; ++i) {
@@ -250,9 +252,9 @@ static void run_pass(Model& m, const PassArgs& p) {
       std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
                   p.hidden + (static_cast<size_t>(b) * p.T + p.logits_index[i]) * H, H * sizeof(float));
     }
-#pragma omp barrier
+pool.barrier();
     linear(m, m.head, m.rows.data(), p.B * p.R, H, p.logits, tid, nt, ops);
-  }
+  });
 }
 
 static bool check(bool ok, const std::string& what) {
@@ -379,13 +381,14 @@ int spn_linear_run(void* h, int isa, int threads, int M, const float* x, float* 
   qa.reserve(M, w->K);
   const Ops ops = ops_for(static_cast<Isa>(isa));
   for (int r = 0; r < M; ++r) ops.quantize_row(x + static_cast<size_t>(r) * w->K, w->K, qa, r);
-  ActBuffer* a = &qa;
-#pragma omp parallel num_threads(threads)
-  {
+  static thread_local std::unique_ptr<Pool> pool;
+  if (!pool || pool->size() != threads) pool = std::make_unique<Pool>(threads);
+  const QAct* a = &qa;  // this thread's buffer: the pool's threads have thread_locals of their own
+  pool->run([&](int tid, int nt) {
     int lo, hi;
-    share(w->tiles, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
+    share(w->tiles, tid, nt, lo, hi);
     gemm(static_cast<Isa>(isa), *w, *a, y, w->N, lo, hi);
-  }
+  });
   return 0;
 }
 

@@ -128,8 +128,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         }
         s = _mm512_add_epi32(s, s1);
       } else {
+        // the activation dword broadcast from memory inside the instruction ({1to16}): no separate uop
 #pragma GCC unroll 8
-        for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], _mm512_set1_epi32(qa[g]));
+        for (int g = 0; g < 8; ++g) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(wv[g]), "m"(qa[g]));
       }
       __m512 sc = _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[r]);

@@ -1,0 +1,125 @@
+"""The native W4A8 kernels alone: every kernel branch against the scalar reference, bitwise, at every row count
+1..32 and in mixed batches, and against the float product within the int8 activations' rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.engines.native import library
+
+KERNELS = list(library.KERNELS)
+
+
+def needs(kernel: str):
+    if not library.supported(kernel):
+        pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
+
+
+class Linear:
+    """A random int4 projection in MatMulNBits' layout, loaded into the library."""
+
+    def __init__(self, k: int, n: int, seed: int = 0, bias: bool = False):
+        rng = np.random.default_rng(seed)
+        blocks = -(-k // 32)
+        q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
+        if k % 32:
+            q[:, -1, k % 32:] = 8  # the padding inputs of the last block: weight 0, as the quantizer writes them
+        self.packed = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
+        self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
+        self.dense = ((q.astype(np.float64) - 8) * self.scales[..., None]).reshape(n, -1)[:, :k]  # [N, K]
+        self.bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if bias else None
+        self.k, self.n = k, n
+        self.lib = library.load()
+        self.h = self.lib.spn_linear_new(k, n, self.packed.ctypes.data, self.scales.ctypes.data,
+                                         None if self.bias is None else self.bias.ctypes.data)
+
+    def __call__(self, kernel: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        y = np.full((x.shape[0], self.n), np.nan, np.float32)
+        assert self.lib.spn_linear_run(self.h, library.KERNELS[kernel], threads, x.shape[0], x.ctypes.data,
+                                       y.ctypes.data) == 0, library.last_error()
+        return y
+
+    def __del__(self):
+        self.lib.spn_linear_free(self.h)
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return Linear(576, 960, seed=1)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    x = np.random.default_rng(2).standard_normal((32, 576)).astype(np.float32)
+    x[3] *= 40.0  # an outlier row: per-row scales keep it from touching its neighbours
+    x[5, :7] = 0.0  # a block partly zero and one wholly zero
+    x[6, :32] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_row_count_gives_each_row_bitwise_the_scalar_reference(kernel, qkv, rows):
+    needs(kernel)
+    reference = qkv("scalar", rows)
+    for m in range(1, 33):
+        got = qkv(kernel, rows[:m])
+        assert np.array_equal(got, reference[:m]), (kernel, m, np.abs(got - reference[:m]).max())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(kernel, qkv, rows):
+    needs(kernel)
+    alone = np.concatenate([qkv(kernel, rows[i:i + 1]) for i in range(12)])
+    order = np.random.default_rng(3).permutation(12)
+    mixed = qkv(kernel, np.concatenate([rows[order], rows[20:32]]))  # other company, other positions
+    assert np.array_equal(mixed[:12], alone[order])
+    assert np.array_equal(qkv(kernel, rows[:12], threads=1), alone)  # and not on the thread split
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_product_is_the_float_product_within_int8_rounding(kernel, rows):
+    needs(kernel)
+    lin = Linear(40, 20, seed=4, bias=True)  # K not a whole block, N not a whole tile
+    x = rows[:9, :40]
+    exact = x.astype(np.float64) @ lin.dense.T + lin.bias
+    got = lin(kernel, x)
+    # int8 activations per block of 32: each input off by at most half a step of absmax/127
+    step = np.abs(x.astype(np.float64)).max(axis=1, keepdims=True) / 127
+    bound = 0.5 * step * np.abs(lin.dense).sum(axis=1)[None, :] + 1e-5 * (1 + np.abs(exact))
+    assert np.all(np.abs(got - exact) <= bound), np.abs(got - exact).max()
+    assert np.array_equal(got, lin("scalar", x))
+
+
+def test_a_forced_kernel_is_named_in_the_record_and_a_bad_one_refused(monkeypatch):
+    from specrt.errors import SpecrtError
+
+    monkeypatch.setenv("SPECRT_NATIVE_KERNEL", "scalar")
+    name, rec = library.kernel()
+    assert name == "scalar" and rec == {"value": "scalar", "forced": True, "chosen_by": "SPECRT_NATIVE_KERNEL"}
+    monkeypatch.setenv("SPECRT_NATIVE_KERNEL", "sse9")
+    with pytest.raises(SpecrtError, match="SPECRT_NATIVE_KERNEL='sse9'"):
+        library.kernel()
+    monkeypatch.delenv("SPECRT_NATIVE_KERNEL")
+    monkeypatch.setattr(library, "supported", lambda k: k == "scalar")
+    with pytest.raises(SpecrtError, match="needs AVX2 and FMA, which this CPU lacks"):
+        library.kernel("avx2")
+
+
+def test_without_a_compiler_the_native_backend_says_what_to_do(monkeypatch, tmp_path):
+    from specrt.errors import SpecrtError
+
+    monkeypatch.setattr(library, "compiler", lambda: None)
+    with pytest.raises(SpecrtError, match="no C\\+\\+ compiler was found.*--backend ort"):
+        library.build()
+
+
+def test_a_failed_compile_leaves_no_library_behind(monkeypatch, tmp_path):
+    from specrt.errors import SpecrtError
+
+    monkeypatch.setenv("SPECRT_HOME", str(tmp_path))
+    monkeypatch.setattr(library, "FLAGS", (*library.FLAGS, "-DSPECRT_NO_SUCH_FLAG", "-fno-such-option"))
+    with pytest.raises(SpecrtError, match="compiling the native kernels failed"):
+        library.build()
+    assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))

@@ -1,0 +1,123 @@
+"""The native backend's decoder pass on tiny int4 bundles: batch-invariant on every kernel branch (the runtime's
+own invariance checks, all exactly 0), bitwise the same on every branch, close to ONNX Runtime's int4 graph,
+and refusing what it does not compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specrt.engines.native import library
+
+HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # the hand-vectorized attention
+
+
+def tiny_bundle(tmp, family: str, quantize: str | None = "int4", **overrides):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.loading import LoadedModel, module_from_hf
+    from tests.helpers import TINY, save_tiny_folder, save_word_tokenizer
+
+    tokenizer = save_word_tokenizer(tmp / "tokenizer", TINY["vocab_size"])
+    folder = save_tiny_folder(tmp / family, family, None, seed=5, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded = LoadedModel(module=module_from_hf(hf), tokenizer=PreTrainedTokenizerFast.from_pretrained(tokenizer),
+                         source=str(folder), hf_config=hf.config)
+    out = tmp / "bundle"
+    export_bundle(loaded, out, ExportOptions(draft_layers=0, progress=False, quantize=quantize))
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def bundle(request, tmp_path_factory):
+    """Llama (head_dim 64) and Qwen2 (q|k|v bias; head_dim 16: the generic attention loop)."""
+    extra = HEAD_DIM_64 if request.param == "llama" else {}
+    return tiny_bundle(tmp_path_factory.mktemp(request.param), request.param, **extra)
+
+
+def decoder(bundle, kernel: str, rows: int = 300, batch: int = 3, backend: str = "native"):
+    from specrt.engines.registry import make_decoder
+    from specrt.schema.manifest import Manifest
+
+    manifest = Manifest.load(bundle)
+    cfg = manifest.target.config
+    if backend == "native":
+        return make_decoder("native", bundle / manifest.target.file, cfg, rows, 2, batch, kernel=kernel)
+    return make_decoder(backend, manifest.onnx_path(bundle, "target"), cfg, rows, 2, batch)
+
+
+def needs(kernel: str):
+    if not library.supported(kernel):
+        pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
+
+
+@pytest.mark.parametrize("kernel", list(library.KERNELS))
+def test_every_invariance_check_is_exactly_zero(bundle, kernel):
+    from specrt.runtime import invariance
+    from specrt.runtime.exec_modes import exec_mode
+
+    needs(kernel)
+    dec = decoder(bundle, kernel, invariance.ROWS + 8)
+    m = invariance.measure(dec, dec.cfg.vocab_size, exec_mode("direct"))
+    assert m["invariant"] and all(m[c] == 0.0 for c in invariance.CHECKS), m
+
+
+def _session(dec, rng, vocab):
+    """Prefill two slots at different lengths, then a tree window in one and a chain in both: every output."""
+    from specrt.runtime.sequence import Pass, pack_windows
+    from specrt.runtime.tree import Tree
+
+    outs = []
+    dec.select(0, 2)
+    prompts = [rng.integers(0, vocab, 37), rng.integers(0, vocab, 11)]
+    outs.append(dec.run_all(*pack_windows([Pass(p, 0, Tree.chain(len(p) - 1), np.arange(len(p))) for p in prompts])))
+    tree = Tree.from_parents([-1, 0, 0, 1, 2, 2])
+    dec.select(0, 1)
+    outs.append(dec.run_all(*pack_windows([Pass(rng.integers(0, vocab, 6), 37, tree, np.arange(6))])))
+    dec.select(0, 2)
+    outs.append(dec.run_all(*pack_windows([Pass(rng.integers(0, vocab, 3), p, Tree.chain(2), np.arange(3))
+                                           for p in (43, 11)])))
+    return [{k: v.copy() for k, v in o.items()} for o in outs]
+
+
+def test_every_kernel_computes_bitwise_the_same_outputs(bundle):
+    runs = {}
+    for kernel in library.available():
+        dec = decoder(bundle, kernel)
+        runs[kernel] = _session(dec, np.random.default_rng(7), dec.cfg.vocab_size)
+    ref = runs["scalar"]
+    for kernel, outs in runs.items():
+        for a, b in zip(outs, ref, strict=True):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert np.array_equal(a[name], b[name]), (kernel, name, np.abs(a[name] - b[name]).max())
+
+
+def test_the_native_pass_computes_what_the_int4_graph_computes(bundle):
+    """Both run the bundle's int4 weights with int8 activations per block of 32; they round differently,
+    so the logits agree closely but not bitwise (each backend is its own exactness reference)."""
+    native, ort = decoder(bundle, "auto"), decoder(bundle, "", backend="ort")
+    a = _session(native, np.random.default_rng(8), native.cfg.vocab_size)
+    b = _session(ort, np.random.default_rng(8), ort.cfg.vocab_size)
+    for x, y in zip(a, b, strict=True):
+        scale = np.abs(y["logits"]).max()
+        assert np.abs(x["logits"] - y["logits"]).max() <= 0.02 * scale
+        assert np.abs(x["hidden_states"] - y["hidden_states"]).max() <= 0.02 * np.abs(y["hidden_states"]).max()
+
+
+def test_a_float_bundle_is_refused_naming_the_fix(tmp_path):
+    from specrt.errors import SpecrtError
+
+    b = tiny_bundle(tmp_path, "llama", quantize=None)
+    with pytest.raises(SpecrtError, match="float projections.*--quantize int4.*--backend ort"):
+        decoder(b, "auto")
+
+
+def test_a_family_it_does_not_compute_is_refused_by_name(tmp_path):
+    from specrt.errors import SpecrtError
+
+    b = tiny_bundle(tmp_path, "qwen3")
+    with pytest.raises(SpecrtError, match="does not compute qk-norm .*--backend ort"):
+        decoder(b, "auto")
