@@ -49,7 +49,10 @@ $(VENV)/.installed: pyproject.toml
 $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/.installed
 	$(PY) -c "from specrt.export.default_model import default_model_path; print(default_model_path())"
 
+# The native backend's kernels, compiled with the machine's g++ (seconds, once per source digest); without a
+# compiler the runtime's default backend is ONNX Runtime, and this says so in one line.
 setup: $(VENV)/.installed $(SPECRT_HOME)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+	@$(PY) -m specrt.engines.native.library || echo "note: the native kernels did not build here (above): --backend auto runs ort"
 
 $(BUNDLE)/manifest.json: $(SOURCES) $(TRAINED) | setup
 	$(SPECRT) export -o $(BUNDLE) $(if $(QUANTIZE),--quantize $(QUANTIZE)) $(DRAFTER_FLAGS)

@@ -122,3 +122,21 @@ def built_copy(bundle: Path, dest: Path) -> Path:
     manifest.artifacts["onnxruntime"] = build_ort(dest, manifest, threads=1)
     manifest.save(dest)
     return dest
+
+
+def export_tiny(tmp: Path, family: str, quantize: str | None = "int4", **overrides) -> Path:
+    """A tiny random `family` model (word tokenizer, vocab 128) exported as a bundle with no drafter,
+    `quantize`d (int4 by default: what the native backend runs); `tmp / "bundle"`."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.loading import LoadedModel, module_from_hf
+
+    tokenizer = save_word_tokenizer(tmp / "tokenizer", TINY["vocab_size"])
+    folder = save_tiny_folder(tmp / family, family, None, seed=5, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded = LoadedModel(module=module_from_hf(hf), tokenizer=PreTrainedTokenizerFast.from_pretrained(tokenizer),
+                         source=str(folder), hf_config=hf.config)
+    out = tmp / "bundle"
+    export_bundle(loaded, out, ExportOptions(draft_layers=0, progress=False, quantize=quantize))
+    return out

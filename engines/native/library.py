@@ -5,7 +5,7 @@ cached by the sources' digest, loaded with ctypes.
 
 The library is `$SPECRT_HOME/cache/native/<digest>/libspecrt_native.so`, written to a temporary name and
 renamed, so a failed or interrupted compile leaves nothing half-written. Which kernel runs (`kernel()`) is a
-branch (runtime/branches.py, SPECRT_NATIVE_KERNEL): `auto` takes the fastest one this CPU executes; every
+branch (specrt/branches.py, SPECRT_NATIVE_KERNEL): `auto` takes the fastest one this CPU executes; every
 kernel computes bitwise the same values (csrc/w4a8.h, csrc/ops.inc), and a forced one the CPU lacks is
 refused naming what it needs.
 """
@@ -125,7 +125,7 @@ def available() -> list[str]:
 def kernel(requested: str = "auto") -> tuple[str, dict]:
     """The kernel to run and its branch record: `requested` (or SPECRT_NATIVE_KERNEL) when not auto, else the
     fastest this CPU executes."""
-    from specrt.runtime.branches import pick, record
+    from specrt.branches import pick, record
 
     choice = pick("native_kernel", requested)
     if choice.value == "auto":

@@ -103,8 +103,13 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     # the inputs of the tapped layers, by the input norm that reads each one
     layer_of = {n.input[0]: int(n.input[1].split(".")[2]) for n in model.graph.node
                 if n.op_type == "RMSNormalization" and n.input[1].endswith(".input_layernorm.weight")}
-    concat = [n for n in model.graph.node if n.op_type == "Concat" and "aux_hidden_states" in n.output]
-    taps = [layer_of[x] for x in concat[0].input] if concat else []
+    producer = {o: n for n in model.graph.node for o in n.output}
+    name = "aux_hidden_states"
+    while name in producer and producer[name].op_type == "Identity":
+        name = producer[name].input[0]
+    taps = [layer_of[x] for x in producer[name].input] if name in producer else []
+    if any(o.name == "aux_hidden_states" for o in model.graph.output) and not taps:
+        raise SpecrtError(f"{path}: aux_hidden_states is not a Concat of layer inputs: export the bundle again")
     return Weights(np.ascontiguousarray(arr("model.embed_tokens.weight")), norms, arr("model.norm.weight"), layers,
                    head, taps)
 

@@ -42,19 +42,33 @@ def _simd() -> str:
     return " ".join(f"{label}:{'yes' if flag in have else 'no'}" for label, flag in SIMD_SHOWN)
 
 
+def _native() -> str:
+    """The native backend's kernels here, or why it has none."""
+    from specrt.engines.native import library
+    from specrt.errors import SpecrtError
+
+    try:
+        return f"kernels {', '.join(library.available())}; auto runs {library.kernel()[0]} ({library.build()})"
+    except SpecrtError as err:
+        return f"unavailable ({err})"
+
+
 def _bundle_exactness(bundle, threads: int) -> str:
-    """The default bundle's batch invariance on this machine and the mode the runtime uses."""
+    """The default bundle's backend under auto, its batch invariance on this machine and the mode in use."""
+    from specrt.engines.registry import resolve_backend
     from specrt.errors import SpecrtError
     from specrt.runtime.exactness import describe_measured, resolve
     from specrt.schema.manifest import Manifest
 
     try:
-        e = resolve(bundle, Manifest.load(bundle), threads)
+        manifest = Manifest.load(bundle)
+        backend, _ = resolve_backend("auto", bundle, manifest)
+        e = resolve(bundle, manifest, threads, backend)
     except SpecrtError as err:
         return f"unknown ({err})"
     modes = describe_measured(e.record["measured"])
     verdict = f"mode in use: {e.mode.name} (exact)" if e.lossless else f"NOT exact: {e.reason}"
-    return f"verify vs plain max |Δlogits| {modes} ({e.source}); {verdict}"
+    return f"backend {backend}: verify vs plain max |Δlogits| {modes} ({e.source}); {verdict}"
 
 
 @click.command("doctor")
@@ -87,6 +101,7 @@ def command(threads):
     rows.append(("transformers (export only)", _version("transformers") or "not installed"))
     rows.append(("triton", _version("triton") or "not installed"))
     rows.append(("gpu", _gpu()))
+    rows.append(("native backend", _native()))
     b = default_bundle()
     present = (b / "manifest.json").is_file()
     rows.append(("default bundle", f"{b} ({'present' if present else 'missing: run make export'})"))

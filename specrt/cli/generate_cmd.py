@@ -84,4 +84,5 @@ def exactness_summary(gen, result=None, sampling=None) -> dict:
     greedy = sampling is None or sampling.greedy
     return {"mode": e.mode.name, "batch_invariant": e.lossless, "reason": e.reason, "source": e.source,
             "auto_mode": e.record["chosen"], "forced_by": e.forced_by, "requested_drafter": gen.requested_drafter,
-            "exact_to": gen.reference.to_dict(greedy) if lossless else None}
+            "exact_to": gen.reference.to_dict(greedy) if lossless else None,
+            **({"native_kernel": gen.target.kernel_record} if getattr(gen.target, "kernel_record", None) else {})}

@@ -6,28 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from specrt.engines.native import library
+from tests.helpers import export_tiny as tiny_bundle
 
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # the hand-vectorized attention
-
-
-def tiny_bundle(tmp, family: str, quantize: str | None = "int4", **overrides):
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from specrt.export.bundle import ExportOptions, export_bundle
-    from specrt.export.loading import LoadedModel, module_from_hf
-    from tests.helpers import TINY, save_tiny_folder, save_word_tokenizer
-
-    tokenizer = save_word_tokenizer(tmp / "tokenizer", TINY["vocab_size"])
-    folder = save_tiny_folder(tmp / family, family, None, seed=5, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    loaded = LoadedModel(module=module_from_hf(hf), tokenizer=PreTrainedTokenizerFast.from_pretrained(tokenizer),
-                         source=str(folder), hf_config=hf.config)
-    out = tmp / "bundle"
-    export_bundle(loaded, out, ExportOptions(draft_layers=0, progress=False, quantize=quantize))
-    return out
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -121,3 +104,15 @@ def test_a_family_it_does_not_compute_is_refused_by_name(tmp_path):
     b = tiny_bundle(tmp_path, "qwen3")
     with pytest.raises(SpecrtError, match="does not compute qk-norm .*--backend ort"):
         decoder(b, "auto")
+
+
+def test_the_tapped_layers_are_output_as_the_int4_graph_outputs_them(trained_int4_bundle):
+    """The default bundle's target taps three layers for EAGLE-3: the native pass outputs the same inputs of
+    those layers (aux_hidden_states), within the two backends' rounding."""
+    native, ort = decoder(trained_int4_bundle, "auto", 64, 1), decoder(trained_int4_bundle, "", 64, 1, "ort")
+    assert native.output_width("aux_hidden_states") == ort.output_width("aux_hidden_states") == 3 * 576
+    ids = np.random.default_rng(9).integers(0, 49152, (1, 12))
+    args = (ids, np.arange(12)[None], np.array([0]), np.tril(np.ones((1, 12, 12), bool)), np.array([[11]]))
+    a, b = native.run_all(*args)["aux_hidden_states"], ort.run_all(*args)["aux_hidden_states"]
+    assert a.shape == b.shape == (1, 12, 3 * 576)
+    assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()

@@ -165,7 +165,7 @@ def test_capacity_and_inputs_are_checked(target, tmp_path):
 # ── the registry ──────────────────────────────────────────────────────────────────────────────────
 def test_registry_builds_each_cpu_backend_and_refuses_unknown_names_and_options(target):
     path, cfg = target
-    assert set(BACKENDS) == {"ort", "ort-fused", "ort-device", "ort-cuda", "trt"}
+    assert set(BACKENDS) == {"native", "ort", "ort-fused", "ort-device", "ort-cuda", "trt"}
     assert type(make_decoder("ort", path, cfg, CAPACITY)) is OrtDecoder
     dev = make_decoder("ort-device", path, cfg, CAPACITY, batch=2, spin=False)
     assert isinstance(dev, OrtDeviceDecoder) and dev.device == "cpu" and not dev.cuda_graphs and dev.batch == 2

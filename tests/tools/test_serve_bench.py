@@ -163,7 +163,7 @@ def test_client_measures_a_real_specrt_serve_streamed_and_not(real_bundle):
 def test_bench_serve_passes_given_runtime_options_on_to_specrt_serve():
     from specrt.cli.bench_serve_cmd import _runtime_flags
 
-    flags = _runtime_flags({"threads": 2, "max_seq_len": 512, "adaptive": False, "backend": "ort", "tree": None})
+    flags = _runtime_flags({"threads": 2, "max_seq_len": 512, "adaptive": False, "backend": "auto", "tree": None})
     assert flags == ["--threads", "2", "--max-seq-len", "512", "--fixed-depth"]  # defaults left out, threads kept
 
 
