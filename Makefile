@@ -150,8 +150,8 @@ gpu-check: setup
 # The OpenAI-compatible server over the default bundle (Ctrl-C to stop); PORT, SLOTS, DRAFTER.
 PORT ?= 8000
 SLOTS ?= 16
-# The fastest exact serving here: the fused backend batches one row per sequence (docs/performance.md)
-SERVE_BACKEND ?= ort-fused
+# The fastest exact serving here: auto, the native backend for the int4 bundle (docs/performance.md)
+SERVE_BACKEND ?= auto
 serve: build
 	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS) \
 		--backend $(SERVE_BACKEND)
