@@ -235,9 +235,10 @@ def create_app(scheduler: Scheduler, model_name: str, default_max_tokens: int = 
         watcher = asyncio.create_task(_watch(request, handle))
         try:
             async for tokens in handle:
-                if text.feed(tokens) is None:  # a stop sequence: done (a normal finish, not a cancellation)
-                    handle.stop()
-                    break
+                if handle.cancelled:  # stopped (or the client left): what the engine still sends is dropped
+                    continue
+                if text.feed(tokens) is None:  # a stop sequence: done (a normal finish, not a cancellation);
+                    handle.stop()  # the engine ends it at its next step and hands over the result, stats and all
             text.flush()
         except Exception:
             log.exception("request %s failed in the engine", rid)

@@ -115,6 +115,9 @@ class Manifest:
         """Read and check `bundle`/manifest.json: a wrong type, range or path names its field."""
         bundle = Path(bundle)
         path = bundle / MANIFEST
+        if bundle.exists() and not bundle.is_dir():
+            raise SpecrtError(f"bundle {bundle} is a file, not a bundle folder: name the folder `specrt export` wrote "
+                              "(the one holding manifest.json), e.g. artifacts/bundles/smollm2-135m-instruct")
         if not bundle.is_dir():
             raise SpecrtError(f"bundle {bundle} does not exist: run `specrt export -o {bundle}` (or `make export`) first")
         if not path.is_file():

@@ -396,3 +396,13 @@ def test_tiny_temperatures_sample_the_argmax_not_token_0(tiny_bundle, drafter):
     assert token_ids("1e-300") == greedy
     assert token_ids("1e-38") == greedy
     assert token_ids("1e-42") == greedy  # overflows even the tiny model's logits (|logit| < 3.4) in float32
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_bundle_path_that_is_a_file_is_named_as_a_file(tmp_path, command):
+    """`specrt generate README.md` once said the file "does not exist" and advised exporting over it."""
+    path = tmp_path / "README.md"
+    path.write_text("# not a bundle\n")
+    proc = specrt(command, path, *(["--prompt", "hi"] if command == "generate" else []))
+    assert_one_line_error(proc, "README.md is a file, not a bundle folder", "manifest.json")
+    assert "specrt export -o" not in proc.stderr and path.read_text() == "# not a bundle\n"

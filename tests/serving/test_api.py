@@ -76,6 +76,8 @@ def test_stop_sequences_cut_the_text(served, tiny_reference):
     req = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": [stop, "\x00never"]}
     body = httpx.post(f"{url}/v1/completions", json=req, timeout=60).json()
     assert body["choices"][0] == {"index": 0, "text": want, "finish_reason": "stop", "logprobs": None}
+    # the speculation stats every other unary response carries (they were missing on a stop)
+    assert set(body["specrt"]) >= {"drafter_steps", "drafted", "accepted", "tokens_per_s"}, body
     with httpx.stream("POST", f"{url}/v1/completions", json={**req, "stream": True}, timeout=60) as s:
         events = _sse(s)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
