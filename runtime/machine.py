@@ -52,8 +52,14 @@ class Fingerprint:
 
     @classmethod
     def here(cls, threads: int, backend: str = "ort") -> Fingerprint:
+        """This machine running `backend`. The native backend is its kernels' build too: a record measured
+        with other kernel sources never answers for these."""
         import onnxruntime
 
+        if backend == "native":
+            from specrt.engines.native import library
+
+            backend = f"native (kernels {library.digest(library.compiler() or '')})"
         return cls(cpu_model(), tuple(simd_features()), onnxruntime.__version__, int(threads), backend)
 
     @property

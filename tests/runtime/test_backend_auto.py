@@ -61,3 +61,13 @@ def test_a_named_backend_is_taken_as_named_and_a_bad_one_refused(int4):
     assert resolve(int4, "ort") == ("ort", "")
     with pytest.raises(SpecrtError, match="unknown backend 'onnx'"):
         resolve(int4, "onnx")
+
+
+def test_native_exactness_records_are_keyed_by_the_kernel_sources(monkeypatch):
+    """A record measured with other kernel sources (an older specrt) never answers for these kernels."""
+    from specrt.runtime.machine import Fingerprint
+
+    now = Fingerprint.here(2, "native")
+    assert now.backend.startswith("native (kernels ") and Fingerprint.here(2, "ort").backend == "ort"
+    monkeypatch.setattr(library, "FILES", library.FILES[:-1])  # other sources, another digest
+    assert Fingerprint.here(2, "native").key != now.key
