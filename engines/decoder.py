@@ -54,3 +54,13 @@ class Decoder:
         end = int(past_len.max()) + window
         if end > self.capacity:
             raise SpecrtError(f"KV capacity {self.capacity} exceeded ({end} rows): raise --max-seq-len")
+
+
+def compact_host_kv(kv: list[np.ndarray], dst: int, rows: list[int], slot: int | None = None) -> None:
+    """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every buffer of `kv` (numpy
+    arrays [batch, kv_heads, capacity, head_dim]), in sequence `slot` (default: every sequence): the
+    `compact` of the runners whose KV lives in host memory (ort, native)."""
+    src = np.asarray(rows)
+    b = slice(None) if slot is None else slice(slot, slot + 1)
+    for buf in kv:
+        buf[b, :, dst : dst + len(rows)] = buf[b, :, src]

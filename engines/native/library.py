@@ -43,7 +43,6 @@ SIGNATURES = {
     "spn_isa_supported": (I32, [I32]),
     "spn_model_new": (P, [I32, I32, I32, I32, I32, I32, I32, F32, F32, I32, I32]),
     "spn_model_free": (None, [P]),
-    "spn_model_set_isa": (I32, [P, I32, I32]),
     "spn_set_embed": (I32, [P, P]),
     "spn_set_norm": (I32, [P, I32, I32, P]),
     "spn_set_linear": (I32, [P, I32, I32, I32, I32, P, P, P]),

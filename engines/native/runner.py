@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.decoder import Decoder
+from specrt.engines.decoder import Decoder, compact_host_kv
 from specrt.engines.native import library
 from specrt.engines.native.weights import PROJECTIONS, read, rope_tables
 from specrt.errors import SpecrtError
@@ -129,7 +129,4 @@ class NativeDecoder(Decoder):
         return out
 
     def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
-        src = np.asarray(rows)
-        s = slice(None) if slot is None else slice(slot, slot + 1)
-        for buf in self.kv:
-            buf[s, :, dst : dst + len(rows)] = buf[s, :, src]
+        compact_host_kv(self.kv, dst, rows, slot)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specrt.engines.decoder import Decoder
+from specrt.engines.decoder import Decoder, compact_host_kv
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -175,7 +175,4 @@ class OrtDecoder(Decoder):
     def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
         """Move KV rows `rows` (accepted tree nodes, ascending) to dst, dst+1, ... in every layer, in
         sequence `slot` (default: every sequence)."""
-        src = np.asarray(rows)
-        b = slice(None) if slot is None else slice(slot, slot + 1)
-        for buf in self.kv:
-            buf[b, :, dst : dst + len(rows)] = buf[b, :, src]
+        compact_host_kv(self.kv, dst, rows, slot)

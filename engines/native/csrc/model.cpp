@@ -159,7 +159,6 @@ static void run_pass(Model& m, const PassArgs& p) {
   m.rows.resize(static_cast<size_t>(p.B) * p.R * H);
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
-  if (!m.pool || m.pool->size() != m.threads) m.pool = std::make_unique<Pool>(m.threads);
   const int nt = m.threads;
   m.scores.resize(static_cast<size_t>(nt) * (max_past + p.T));
   m.extra.resize(static_cast<size_t>(nt) * p.T);
@@ -281,18 +280,11 @@ void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float ep
   m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V;
   m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
   m->layers = std::vector<Layer>(L);
+  m->pool = std::make_unique<Pool>(threads);
   return m;
 }
 
 void spn_model_free(void* h) { delete static_cast<Model*>(h); }
-
-int spn_model_set_isa(void* h, int isa, int threads) {
-  Model* m = static_cast<Model*>(h);
-  if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here")) return 1;
-  m->isa = static_cast<Isa>(isa);
-  m->threads = threads;
-  return 0;
-}
 
 int spn_set_embed(void* h, const float* e) {
   Model* m = static_cast<Model*>(h);
