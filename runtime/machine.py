@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -34,6 +35,23 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 def cpu_model() -> str:
     return _cpuinfo()[0]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_note(threads: int, cpus: int) -> str:
+    """A one-line warning when `threads` exceeds `cpus`, else "": kernels' threads that outnumber the CPUs wait on
+    each other at every barrier, and a pass slows by orders of magnitude."""
+    if threads <= cpus:
+        return ""
+    return (f"warning: --threads {threads} is more than the {cpus} CPUs this process may use: threads past the CPUs "
+            f"wait on each other and every pass slows down; --threads {cpus} is the most that helps")
 
 
 def simd_features() -> list[str]:

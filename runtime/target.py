@@ -17,6 +17,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
+from specrt.runtime.machine import threads_note, usable_cpus
 from specrt.runtime.sequence import Pass, pack_windows
 from specrt.runtime.settings import SequenceTerms
 from specrt.runtime.tokenizer import Tokenizer
@@ -54,6 +55,8 @@ class TargetModel:
         self.eos = frozenset(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
+        if note := threads_note(int(threads), usable_cpus()):
+            self.note(note)
         backend, why = resolve_backend(backend, self.bundle, self.manifest)  # auto: the fastest exact one here
         if why:
             self.note(why)

@@ -102,16 +102,18 @@ def ort_sweep(route: str, threads: int):
 
 
 def native_sweep(name: str, threads: int):
-    from specrt.engines.native import library
+    from specrt.engines.native import calls, library
+    from specrt.engines.native.weights import Linear
 
     lib, code, xs = library.load(), library.KERNELS[name], inputs()
-    handles = [(k, n, lib.spn_linear_new(k, n, q.ctypes.data, s.ctypes.data, None)) for k, n, q, s in int4_weights()]
+    handles = [(k, n, calls.linear_new(lib, Linear(k, n, q.reshape(n, -1, 16), s.reshape(n, -1))))
+               for k, n, q, s in int4_weights()]
     # NaN-filled: an output a kernel leaves unwritten shows up as non-finite, not as stale equal values
     ys = {m: [np.full((m, n), np.nan, np.float32) for _, n, _ in handles] for m in MS}
 
     def sweep(m: int) -> list[np.ndarray]:
         for (k, _, h), y in zip(handles, ys[m], strict=True):
-            if lib.spn_linear_run(h, code, threads, m, xs[k][:m].ctypes.data, y.ctypes.data) != 0:
+            if calls.linear_run(lib, h, code, threads, np.ascontiguousarray(xs[k][:m]), y) != 0:
                 raise RuntimeError(f"spn_linear_run failed: {library.last_error()}")
         return ys[m]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -41,17 +42,19 @@ P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "spn_last_error": (ctypes.c_char_p, []),
     "spn_isa_supported": (I32, [I32]),
-    "spn_model_new": (P, [I32, I32, I32, I32, I32, I32, I32, F32, F32, I32, I32]),
+    "spn_model_new": (P, [I32, I32, I32, I32, I32, I32, I32, F32, F32, I32, I32, I32]),
     "spn_model_free": (None, [P]),
-    "spn_set_embed": (I32, [P, P]),
-    "spn_set_norm": (I32, [P, I32, I32, P]),
-    "spn_set_linear": (I32, [P, I32, I32, I32, I32, P, P, P]),
-    "spn_set_rope": (I32, [P, I32, P, P]),
+    "spn_set_embed": (I32, [P, P, I64, I64]),
+    "spn_use_embed": (I32, [P, P, I64, I64]),
+    "spn_set_norm": (I32, [P, I32, I32, P, I64]),
+    "spn_set_linear": (I32, [P, I32, I32, I32, I32, P, I64, P, I64, P, I64]),
+    "spn_set_rope": (I32, [P, I32, I32, P, P]),
     "spn_set_taps": (I32, [P, I32, P]),
     "spn_pass": (I32, [P, I32, I32, P, P, P, P, I32, P, P, I64, I32, P, P, P]),
-    "spn_linear_new": (P, [I32, I32, P, P, P]),
+    "spn_feature_pass": (I32, [P, I32, P, P, P, P, P, I32, P, P, I32, P, P]),
+    "spn_linear_new": (P, [I32, I32, P, I64, P, I64, P, I64]),
     "spn_linear_free": (None, [P]),
-    "spn_linear_run": (I32, [P, I32, I32, I32, P, P]),
+    "spn_linear_run": (I32, [P, I32, I32, I32, P, I64, P, I64]),
 }
 
 
@@ -74,38 +77,82 @@ def library_path(cxx: str) -> Path:
     return home() / "cache" / "native" / digest(cxx) / LIB_NAME
 
 
+def _record_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".json")
+
+
+def _fingerprint(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(out: Path) -> bool:
+    """The cached library is the one this machine built: its size and digest are what the build recorded. A
+    truncated, empty or overwritten file is not (dlopen of a truncated one dies with a bus error)."""
+    try:
+        return out.is_file() and json.loads(_record_path(out).read_text()) == _fingerprint(out)
+    except (OSError, ValueError):
+        return False
+
+
+def _cache_error(folder: Path, e: OSError) -> SpecrtError:
+    return SpecrtError(f"the native kernels' cache {folder} is not writable ({e.strerror or e}): set SPECRT_HOME to a "
+                       "writable folder; --backend ort runs without the kernels")
+
+
 def build(quiet: bool = True) -> Path:
-    """The compiled library, built now if this machine has none for these sources."""
+    """The compiled library, built now if this machine has none for these sources, or the one cached fails
+    its check (_verified): it is then built again. Every failure is a SpecrtError of one line."""
     cxx = compiler()
     if cxx is None:
         raise SpecrtError("the native backend compiles its kernels on first use and no C++ compiler was found "
                           "(set CXX, or `apt-get install g++`); --backend ort runs without one")
     out = library_path(cxx)
-    if out.is_file():
+    if _verified(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=LIB_NAME, suffix=".tmp")
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=LIB_NAME, suffix=".tmp")
+        os.close(fd)
+    except OSError as e:
+        raise _cache_error(out.parent, e) from None
+    record_tmp = tmp + ".json"
     cmd = [cxx, *FLAGS, "-o", tmp, *(str(SOURCES / u) for u in UNITS)]
     if not quiet:
-        print(f"specrt: compiling the native kernels ({Path(cxx).name}, a few seconds, once)", file=sys.stderr)
+        what = "the cached one failed its check, " if out.exists() else ""
+        print(f"specrt: compiling the native kernels ({what}{Path(cxx).name}, a few seconds, once)", file=sys.stderr)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise SpecrtError(f"the C++ compiler {cxx} could not be run ({e.strerror or e}): set CXX to a working "
+                              "compiler; --backend ort runs without the native kernels") from None
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise SpecrtError(f"compiling the native kernels failed ({' '.join(cmd[:2])} …): {tail[0][:300]}; "
                               "--backend ort runs without them")
-        os.replace(tmp, out)
+        try:  # the record first: a library in place always has the record it is checked by
+            Path(record_tmp).write_text(json.dumps(_fingerprint(Path(tmp))))
+            os.replace(record_tmp, _record_path(out))
+            os.replace(tmp, out)
+        except OSError as e:
+            raise _cache_error(out.parent, e) from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, record_tmp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return out
 
 
 @functools.cache
 def load() -> ctypes.CDLL:
     """The library, its functions typed."""
-    lib = ctypes.CDLL(str(build(quiet=False)))
+    path = build(quiet=False)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise SpecrtError(f"the native kernels at {path} could not be loaded ({e}): delete that file to build them "
+                          "again; --backend ort runs without them") from None
     for name, (res, args) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args

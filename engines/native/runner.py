@@ -15,14 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from specrt.engines.decoder import Decoder, compact_host_kv
-from specrt.engines.native import library
+from specrt.engines.native import calls, library
 from specrt.engines.native.weights import PROJECTIONS, read, rope_tables
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
-
-
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
 
 
 class NativeDecoder(Decoder):
@@ -38,22 +34,21 @@ class NativeDecoder(Decoder):
         lib = self.lib
         h = lib.spn_model_new(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.vocab_size, float(cfg.rms_norm_eps), float(cfg.embed_scale),
-                              library.KERNELS[self.kernel], int(threads))
+                              library.KERNELS[self.kernel], int(threads), 0)
         if not h:
             raise SpecrtError(f"native backend: {library.last_error()}")
         self._h = h
-        ok = lib.spn_set_embed(h, _ptr(w.embed)) == 0 and lib.spn_set_norm(h, 0, 2, _ptr(w.final_norm)) == 0
+        self._embed = w.embed  # read in place (spn_use_embed): one table in memory, kept alive here
+        ok = calls.use_embed(lib, h, self._embed) and calls.set_norm(lib, h, 0, 2, w.final_norm)
         for i, ((ln1, ln2), projections) in enumerate(zip(w.norms, w.layers, strict=True)):
-            ok &= lib.spn_set_norm(h, i, 0, _ptr(ln1)) == 0 and lib.spn_set_norm(h, i, 1, _ptr(ln2)) == 0
+            ok &= calls.set_norm(lib, h, i, 0, ln1) and calls.set_norm(lib, h, i, 1, ln2)
             for which, name in enumerate(PROJECTIONS):
-                ok &= self._set_linear(i, which, projections[name])
-        ok &= self._set_linear(-1, 0, w.head)
+                ok &= calls.set_linear(lib, h, i, which, projections[name])
+        ok &= calls.set_linear(lib, h, -1, 0, w.head)
         # positions a pass may reach: the KV rows plus the padded rows an execution mode adds
         self.rope_rows = capacity + 64
-        cos, sin = rope_tables(cfg, self.rope_rows)
-        ok &= lib.spn_set_rope(h, self.rope_rows, _ptr(cos), _ptr(sin)) == 0
-        taps = np.asarray(self.taps, np.int32)
-        ok &= lib.spn_set_taps(h, len(taps), _ptr(taps)) == 0
+        ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
+        ok &= calls.set_taps(lib, h, self.taps)
         if not ok:
             raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
@@ -62,10 +57,6 @@ class NativeDecoder(Decoder):
         self._kv_ptrs: dict[int, ctypes.Array] = {}
         self.slots = (0, batch)
         self._outputs: dict[str, list] = {}
-
-    def _set_linear(self, layer: int, which: int, lin) -> bool:
-        return self.lib.spn_set_linear(self._h, layer, which, lin.k, lin.n, _ptr(lin.q), _ptr(lin.scales),
-                                       _ptr(lin.bias)) == 0
 
     def __del__(self):
         h = getattr(self, "_h", None)
@@ -121,9 +112,9 @@ class NativeDecoder(Decoder):
                "hidden_states": self._buffer("hidden_states", (b, t, cfg.hidden_size))}
         if self.taps:
             out["aux_hidden_states"] = self._buffer("aux_hidden_states", (b, t, len(self.taps) * cfg.hidden_size))
-        rc = self.lib.spn_pass(self._h, b, t, _ptr(ids), _ptr(pos), _ptr(past), _ptr(mask), r, _ptr(index),
-                               self._kv_pointers(start), self._slot_stride, self.capacity, _ptr(out["logits"]),
-                               _ptr(out["hidden_states"]), _ptr(out.get("aux_hidden_states")))
+        rc = self.lib.spn_pass(self._h, b, t, calls.ptr(ids), calls.ptr(pos), calls.ptr(past), calls.ptr(mask), r, calls.ptr(index),
+                               self._kv_pointers(start), self._slot_stride, self.capacity, calls.ptr(out["logits"]),
+                               calls.ptr(out["hidden_states"]), calls.ptr(out.get("aux_hidden_states")))
         if rc != 0:
             raise SpecrtError(f"native pass failed: {library.last_error()}")
         return out

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
+from specrt.engines.tables import tensor_array
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -63,9 +63,56 @@ def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
                           f"{attrs.get('block_size')}): the native backend runs int4 bundles (`specrt export "
                           "--quantize int4`); use --backend ort")
     k, n = int(attrs["K"]), int(attrs["N"])
-    q = numpy_helper.to_array(inits[node.input[1]]).reshape(n, -1, 16)
-    scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(n, -1)
-    return Linear(k, n, np.ascontiguousarray(q, np.uint8), np.ascontiguousarray(scales))
+    blocks = (k + 31) // 32
+    q, scales = tensor_array(path, inits[node.input[1]]), tensor_array(path, inits[node.input[2]])
+    if q.size != n * blocks * 16 or scales.size != n * blocks:
+        raise SpecrtError(f"{path}: {node.name} holds {q.size} weight bytes and {scales.size} scales where its K {k} "
+                          f"and N {n} need {n * blocks * 16} and {n * blocks}: export the bundle again")
+    return Linear(k, n, np.ascontiguousarray(q, np.uint8).reshape(n, blocks, 16),
+                  np.ascontiguousarray(scales, np.float32).reshape(n, blocks))
+
+
+def _mismatch(path: Path, field: str, said, held, what: str) -> SpecrtError:
+    return SpecrtError(f"manifest.json's target {field} is {said} but {path} holds {what} {held}: the manifest does not "
+                       "describe its graph; restore manifest.json or export the bundle again")
+
+
+def check_shapes(path: Path, cfg: DecoderConfig, w: Weights, graph_layers: int) -> None:
+    """Every dimension of `cfg` against the shapes `w` really has, before any of it reaches the C side: a
+    manifest edited or mismatched is named by its field, never run as a model of other shapes."""
+    H, nq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    nqkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    if min(cfg.num_layers, H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+           cfg.vocab_size) < 1:
+        raise SpecrtError(f"manifest.json's target config has a dimension below 1 ({cfg.num_layers} layers, hidden "
+                          f"{H}, heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, intermediate "
+                          f"{cfg.intermediate_size}, vocab {cfg.vocab_size}): restore manifest.json")
+    if cfg.num_layers != graph_layers:
+        raise _mismatch(path, "num_layers", cfg.num_layers, graph_layers, "layers:")
+    V, width = w.embed.shape
+    if width != H:
+        raise _mismatch(path, "hidden_size", H, f"{V} x {width}", "an embedding table of")
+    if V != cfg.vocab_size:
+        raise _mismatch(path, "vocab_size", cfg.vocab_size, f"{V} x {width}", "an embedding table of")
+    if w.head.n != cfg.vocab_size or w.head.k != H:
+        raise _mismatch(path, "vocab_size", cfg.vocab_size, f"{w.head.k} x {w.head.n}", "an LM head of")
+    for i, ((ln1, ln2), p) in enumerate(zip(w.norms, w.layers, strict=True)):
+        for norm in (ln1, ln2):
+            if norm.size != H:
+                raise _mismatch(path, "hidden_size", H, f"{norm.size} weights", f"layer {i}'s norm of")
+        qkv, o, gu, down = (p[name] for name in PROJECTIONS)
+        if qkv.k != H or o.n != H or gu.k != H or down.n != H:
+            raise _mismatch(path, "hidden_size", H, f"{qkv.k} inputs", f"layer {i}'s q|k|v projection of")
+        if qkv.n != nqkv or o.k != nq:
+            raise _mismatch(path, "num_heads / num_kv_heads / head_dim",
+                            f"{cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim} ({nqkv} q|k|v columns, {nq} "
+                            "attention outputs)", f"{qkv.n} q|k|v columns and {o.k} attention outputs",
+                            f"in layer {i}")
+        if gu.n != 2 * cfg.intermediate_size or down.k != cfg.intermediate_size:
+            raise _mismatch(path, "intermediate_size", cfg.intermediate_size, f"{down.k} inputs",
+                            f"layer {i}'s down projection of")
+    if w.final_norm.size != H:
+        raise _mismatch(path, "hidden_size", H, f"{w.final_norm.size} weights", "a final norm of")
 
 
 def read(path: Path, cfg: DecoderConfig) -> Weights:
@@ -73,9 +120,14 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     why = unsupported(cfg)
     if why:
         raise SpecrtError(f"the native backend does not compute {why} ({cfg.model_type}): use --backend ort")
-    model = onnx.load(str(path), load_external_data=True)
+    model = onnx.load(str(path), load_external_data=False)  # data mapped by tensor_array, not copied by onnx
     inits = {t.name: t for t in model.graph.initializer}
-    arr = lambda name: numpy_helper.to_array(inits[name]).astype(np.float32)  # noqa: E731
+
+    def arr(name: str) -> np.ndarray:
+        if name not in inits:
+            raise SpecrtError(f"{path} has no initializer {name!r}: export the bundle again")
+        return np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)
+
     by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
     plain = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
              and n.input[1] in inits]
@@ -94,6 +146,10 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
             lin.bias = np.ascontiguousarray(arr(bias))
         return lin
 
+    graph_layers = len({n.split(".")[2] for n in inits if n.startswith("model.layers.")
+                        and n.endswith(".input_layernorm.weight")})
+    if cfg.num_layers != graph_layers:
+        raise _mismatch(path, "num_layers", cfg.num_layers, graph_layers, "layers:")
     layers, norms = [], []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
@@ -110,8 +166,11 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     taps = [layer_of[x] for x in producer[name].input] if name in producer else []
     if any(o.name == "aux_hidden_states" for o in model.graph.output) and not taps:
         raise SpecrtError(f"{path}: aux_hidden_states is not a Concat of layer inputs: export the bundle again")
-    return Weights(np.ascontiguousarray(arr("model.embed_tokens.weight")), norms, arr("model.norm.weight"), layers,
-                   head, taps)
+    w = Weights(arr("model.embed_tokens.weight"), norms, arr("model.norm.weight"), layers, head, taps)
+    if len(w.embed.shape) != 2:
+        raise SpecrtError(f"{path}: model.embed_tokens.weight is not a table: export the bundle again")
+    check_shapes(path, cfg, w, graph_layers)
+    return w
 
 
 def rope_tables(cfg: DecoderConfig, rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.engines.native import library
+from specrt.engines.native import calls, library, weights
 
 KERNELS = list(library.KERNELS)
 
@@ -31,14 +31,13 @@ class Linear:
         self.bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if bias else None
         self.k, self.n = k, n
         self.lib = library.load()
-        self.h = self.lib.spn_linear_new(k, n, self.packed.ctypes.data, self.scales.ctypes.data,
-                                         None if self.bias is None else self.bias.ctypes.data)
+        self.h = calls.linear_new(self.lib, weights.Linear(k, n, self.packed, self.scales, self.bias))
+        assert self.h, library.last_error()
 
     def __call__(self, kernel: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
         x = np.ascontiguousarray(x, np.float32)
         y = np.full((x.shape[0], self.n), np.nan, np.float32)
-        assert self.lib.spn_linear_run(self.h, library.KERNELS[kernel], threads, x.shape[0], x.ctypes.data,
-                                       y.ctypes.data) == 0, library.last_error()
+        assert calls.linear_run(self.lib, self.h, library.KERNELS[kernel], threads, x, y) == 0, library.last_error()
         return y
 
     def __del__(self):

@@ -9,6 +9,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "ops.h"
@@ -20,6 +21,7 @@ namespace spn {
 static Ops ops_for(Isa isa) { return isa == kScalar ? reference_ops() : avx2_ops(); }
 
 static thread_local std::string g_error;
+constexpr int kMaxThreads = 1024;  // more is a mistake, not a machine
 
 static void* aligned(size_t bytes) {
   void* p = nullptr;
@@ -39,6 +41,8 @@ struct OwnedWeight : QWeight {
   // From ONNX Runtime's MatMulNBits layout: q [N][blocks][16] (input 2i in the low nibble of byte i), scales
   // [N][blocks]; symmetric (zero point 8). Columns past N pad the last tile with zero scales.
   void load(int k, int n, const uint8_t* q, const float* s, const float* b) {
+    free(packed), free(scales), free(bias);
+    packed = nullptr, scales = nullptr, bias = nullptr;
     K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
     size_t nbytes = static_cast<size_t>(tiles) * blocks * kTileBytes;
     packed = static_cast<uint8_t*>(aligned(nbytes));
@@ -92,16 +96,19 @@ struct Layer {
 
 struct Model {
   int L = 0, H = 0, nh = 0, kvh = 0, d = 0, I = 0, V = 0;
+  bool feature = false;  // an EAGLE-3 drafter layer (spn_feature_pass): q|k|v reads its 2H-wide mix
   float eps = 0, embed_scale = 1;
   Isa isa = kScalar;
   int threads = 1;
   std::vector<float> embed, final_norm, cos_tab, sin_tab;
+  const float* embed_rows = nullptr;  // `embed`, or a table the caller owns (spn_use_embed)
+  std::vector<float> hidden_norm;  // a feature layer's norm of its feature input (spn_set_norm which 3)
   int rope_rows = 0;
   std::vector<Layer> layers;
   OwnedWeight head;
   std::vector<int> taps;
   // scratch, grown to the largest pass seen
-  std::vector<float> x, h, qkv, attn, gu, act, rows, scores;
+  std::vector<float> x, h, mixed, qkv, attn, gu, act, rows, scores;
   std::vector<int> extra;
   ActBuffer qa;
   std::unique_ptr<Pool> pool;
@@ -142,14 +149,12 @@ struct PassArgs {
   float* logits;
   float* hidden;
   float* aux;
+  const float* hidden_in;  // a feature layer's feature input [B·T, H] (spn_feature_pass); null for a decoder
 };
 
-static void run_pass(Model& m, const PassArgs& p) {
-  const int M = p.B * p.T, H = m.H, d = m.d, nq = m.nh * d, nqkv = (m.nh + 2 * m.kvh) * d;
-  const int groups = m.nh / m.kvh, ntaps = static_cast<int>(m.taps.size());
-  const Ops ops = ops_for(m.isa);
-  int max_k = H > m.I ? H : m.I;
-  max_k = max_k > nq ? max_k : nq;
+// Scratch for a pass of these arguments, grown to the largest pass seen.
+static void reserve(Model& m, const PassArgs& p, int max_k) {
+  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d, nqkv = (m.nh + 2 * m.kvh) * m.d;
   m.x.resize(static_cast<size_t>(M) * H);
   m.h.resize(static_cast<size_t>(M) * H);
   m.qkv.resize(static_cast<size_t>(M) * nqkv);
@@ -159,23 +164,111 @@ static void run_pass(Model& m, const PassArgs& p) {
   m.rows.resize(static_cast<size_t>(p.B) * p.R * H);
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
-  const int nt = m.threads;
-  m.scores.resize(static_cast<size_t>(nt) * (max_past + p.T));
-  m.extra.resize(static_cast<size_t>(nt) * p.T);
+  m.scores.resize(static_cast<size_t>(m.threads) * (max_past + p.T));
+  m.extra.resize(static_cast<size_t>(m.threads) * p.T);
   m.qa.reserve(M > p.B * p.R ? M : p.B * p.R, max_k);
+}
 
+// Layer l after its input norm: q|k|v from `in` (M rows, K = the projection's, `ldin` apart), rotary, the new
+// keys and values into the cache, tree attention, the output projection added to the residual m.x, then the
+// post-attention norm, the MLP and its residual. Called by every thread of the pool (rows split by `share`).
+static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, int ldin, int tid, int nt,
+                          const Ops& ops) {
   Pool& pool = *m.pool;
-  pool.run([&](int tid, int) {
+  const int M = p.B * p.T, H = m.H, d = m.d, nq = m.nh * d, nqkv = (m.nh + 2 * m.kvh) * d;
+  const int groups = m.nh / m.kvh;
+  int max_past = 0;
+  for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
+  Layer& layer = m.layers[l];
+  int lo, hi;
+  share(M, tid, nt, lo, hi);
+  linear(m, layer.qkv, in, M, ldin, m.qkv.data(), tid, nt, ops);
+  float* kc = p.kv[2 * l];
+  float* vc = p.kv[2 * l + 1];
+  for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
+    int b = r / p.T, t = r % p.T;
+    float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
+    const int64_t at = p.pos[r];
+    ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
+    const int64_t dst = p.past[b] + t;
+    for (int kh = 0; kh < m.kvh; ++kh) {
+      size_t off = static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * d;
+      std::memcpy(kc + off, row + nq + kh * d, d * sizeof(float));
+      std::memcpy(vc + off, row + nq + (m.kvh + kh) * d, d * sizeof(float));
+    }
+  }
+pool.barrier();
+  {  // attention: (row, query head) items split over threads
+    int alo, ahi;
+    share(M * m.nh, tid, nt, alo, ahi);
+    float* scores = m.scores.data() + static_cast<size_t>(tid) * (max_past + p.T);
+    int* extra = m.extra.data() + static_cast<size_t>(tid) * p.T;
+    int last_row = -1, n_extra = 0;
+    for (int item = alo; item < ahi; ++item) {
+      int r = item / m.nh, qh = item % m.nh, b = r / p.T, t = r % p.T, kh = qh / groups;
+      const int prefix = static_cast<int>(p.past[b]);
+      if (r != last_row) {
+        n_extra = 0;
+        const uint8_t* mrow = p.mask + (static_cast<size_t>(b) * p.T + t) * p.T;
+        for (int u = 0; u < p.T; ++u)
+          if (mrow[u]) extra[n_extra++] = prefix + u;
+        last_row = r;
+      }
+      size_t off = static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * d;
+      ops.attend(m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d, kc + off, vc + off, d, prefix, extra,
+                 n_extra, scores, m.attn.data() + static_cast<size_t>(r) * nq + qh * d);
+    }
+  }
+pool.barrier();
+  linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), tid, nt, ops);
+  for (int r = lo; r < hi; ++r) {
+    float* xr = m.x.data() + static_cast<size_t>(r) * H;
+    ops.add_row(xr, m.h.data() + static_cast<size_t>(r) * H, H);
+    ops.rmsnorm_row(xr, H, layer.ln2.data(), m.eps, m.h.data() + static_cast<size_t>(r) * H);
+  }
+pool.barrier();
+  linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), tid, nt, ops);
+  for (int r = lo; r < hi; ++r)
+    ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
+pool.barrier();
+  linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), tid, nt, ops);
+  for (int r = lo; r < hi; ++r)
+    ops.add_row(m.x.data() + static_cast<size_t>(r) * H, m.h.data() + static_cast<size_t>(r) * H, H);
+pool.barrier();
+}
+
+// The LM head over the window rows `logits_index` of `normed` ([B·T, H]).
+static void head_rows(Model& m, const PassArgs& p, const float* normed, int tid, int nt, const Ops& ops) {
+  Pool& pool = *m.pool;
+  const int H = m.H;
+  int glo, ghi;
+  share(p.B * p.R, tid, nt, glo, ghi);
+  for (int i = glo; i < ghi; ++i) {
+    int b = i / p.R;
+    std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
+                normed + (static_cast<size_t>(b) * p.T + p.logits_index[i]) * H, H * sizeof(float));
+  }
+pool.barrier();
+  linear(m, m.head, m.rows.data(), p.B * p.R, H, p.logits, tid, nt, ops);
+}
+
+static void run_pass(Model& m, const PassArgs& p) {
+  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d;
+  const int ntaps = static_cast<int>(m.taps.size());
+  const Ops ops = ops_for(m.isa);
+  int max_k = H > m.I ? H : m.I;
+  reserve(m, p, max_k > nq ? max_k : nq);
+  m.pool->run([&](int tid, int nt) {
+    Pool& pool = *m.pool;
     int lo, hi;
     share(M, tid, nt, lo, hi);
     for (int r = lo; r < hi; ++r) {
-      const float* e = m.embed.data() + static_cast<size_t>(p.ids[r]) * H;
+      const float* e = m.embed_rows + static_cast<size_t>(p.ids[r]) * H;
       float* xr = m.x.data() + static_cast<size_t>(r) * H;
       for (int i = 0; i < H; ++i) xr[i] = m.embed_scale == 1.0f ? e[i] : e[i] * m.embed_scale;
     }
 pool.barrier();
     for (int l = 0; l < m.L; ++l) {
-      Layer& layer = m.layers[l];
       for (int t = 0; t < ntaps; ++t) {
         if (m.taps[t] != l) continue;
         for (int r = lo; r < hi; ++r)
@@ -183,82 +276,104 @@ pool.barrier();
                       H * sizeof(float));
       }
       for (int r = lo; r < hi; ++r)
-        ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, layer.ln1.data(), m.eps,
+        ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.layers[l].ln1.data(), m.eps,
                         m.h.data() + static_cast<size_t>(r) * H);
 pool.barrier();
-      linear(m, layer.qkv, m.h.data(), M, H, m.qkv.data(), tid, nt, ops);
-      float* kc = p.kv[2 * l];
-      float* vc = p.kv[2 * l + 1];
-      for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
-        int b = r / p.T, t = r % p.T;
-        float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
-        const int64_t at = p.pos[r];
-        ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
-        const int64_t dst = p.past[b] + t;
-        for (int kh = 0; kh < m.kvh; ++kh) {
-          size_t off = static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * d;
-          std::memcpy(kc + off, row + nq + kh * d, d * sizeof(float));
-          std::memcpy(vc + off, row + nq + (m.kvh + kh) * d, d * sizeof(float));
-        }
-      }
-pool.barrier();
-      {  // attention: (row, query head) items split over threads
-        int alo, ahi;
-        share(M * m.nh, tid, nt, alo, ahi);
-        float* scores = m.scores.data() + static_cast<size_t>(tid) * (max_past + p.T);
-        int* extra = m.extra.data() + static_cast<size_t>(tid) * p.T;
-        int last_row = -1, n_extra = 0;
-        for (int item = alo; item < ahi; ++item) {
-          int r = item / m.nh, qh = item % m.nh, b = r / p.T, t = r % p.T, kh = qh / groups;
-          const int prefix = static_cast<int>(p.past[b]);
-          if (r != last_row) {
-            n_extra = 0;
-            const uint8_t* mrow = p.mask + (static_cast<size_t>(b) * p.T + t) * p.T;
-            for (int u = 0; u < p.T; ++u)
-              if (mrow[u]) extra[n_extra++] = prefix + u;
-            last_row = r;
-          }
-          size_t off = static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * d;
-          ops.attend(m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d, kc + off, vc + off, d, prefix, extra,
-                     n_extra, scores, m.attn.data() + static_cast<size_t>(r) * nq + qh * d);
-        }
-      }
-pool.barrier();
-      linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), tid, nt, ops);
-      for (int r = lo; r < hi; ++r) {
-        float* xr = m.x.data() + static_cast<size_t>(r) * H;
-        ops.add_row(xr, m.h.data() + static_cast<size_t>(r) * H, H);
-        ops.rmsnorm_row(xr, H, layer.ln2.data(), m.eps, m.h.data() + static_cast<size_t>(r) * H);
-      }
-pool.barrier();
-      linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), tid, nt, ops);
-      for (int r = lo; r < hi; ++r)
-        ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
-pool.barrier();
-      linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), tid, nt, ops);
-      for (int r = lo; r < hi; ++r)
-        ops.add_row(m.x.data() + static_cast<size_t>(r) * H, m.h.data() + static_cast<size_t>(r) * H, H);
-pool.barrier();
+      attention_mlp(m, l, p, m.h.data(), H, tid, nt, ops);
     }
     for (int r = lo; r < hi; ++r)
       ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
                       p.hidden + static_cast<size_t>(r) * H);
 pool.barrier();
-    int glo, ghi;
-    share(p.B * p.R, tid, nt, glo, ghi);
-    for (int i = glo; i < ghi; ++i) {
-      int b = i / p.R;
-      std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
-                  p.hidden + (static_cast<size_t>(b) * p.T + p.logits_index[i]) * H, H * sizeof(float));
+    head_rows(m, p, p.hidden, tid, nt, ops);
+  });
+}
+
+// An EAGLE-3 drafter layer (export/drafters/eagle3.py): the attention reads concat(norm(embed(id)),
+// norm(feature)) (2H wide), the residual is the feature; `hidden` gets the layer output, the head reads its
+// norm (the final norm). Its arithmetic decides only what is proposed: the target's verify decides every token.
+static void run_feature_pass(Model& m, const PassArgs& p) {
+  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d;
+  const Ops ops = ops_for(m.isa);
+  int max_k = 2 * H > m.I ? 2 * H : m.I;
+  reserve(m, p, max_k > nq ? max_k : nq);
+  m.mixed.resize(static_cast<size_t>(M) * 2 * H);
+  m.pool->run([&](int tid, int nt) {
+    Pool& pool = *m.pool;
+    int lo, hi;
+    share(M, tid, nt, lo, hi);
+    for (int r = lo; r < hi; ++r) {
+      const float* e = m.embed_rows + static_cast<size_t>(p.ids[r]) * H;
+      const float* f = p.hidden_in + static_cast<size_t>(r) * H;
+      float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
+      ops.rmsnorm_row(e, H, m.layers[0].ln1.data(), m.eps, mr);
+      ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
+      std::memcpy(m.x.data() + static_cast<size_t>(r) * H, f, H * sizeof(float));
     }
 pool.barrier();
-    linear(m, m.head, m.rows.data(), p.B * p.R, H, p.logits, tid, nt, ops);
+    attention_mlp(m, 0, p, m.mixed.data(), 2 * H, tid, nt, ops);
+    for (int r = lo; r < hi; ++r) {
+      std::memcpy(p.hidden + static_cast<size_t>(r) * H, m.x.data() + static_cast<size_t>(r) * H, H * sizeof(float));
+      ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
+                      m.h.data() + static_cast<size_t>(r) * H);
+    }
+pool.barrier();
+    head_rows(m, p, m.h.data(), tid, nt, ops);
   });
 }
 
 static bool check(bool ok, const std::string& what) {
   if (!ok) g_error = what;
   return ok;
+}
+
+// Every entry point checks what it is given against the model's shapes before it reads a byte: the caller
+// passes each buffer's element count, and a mismatch is an error (spn_last_error), never a read past an end.
+static bool positive(long long v) { return v > 0; }
+
+static std::string dims(const char* what, long long a, long long b) {
+  return std::string(what) + " " + std::to_string(a) + " x " + std::to_string(b);
+}
+
+// The [K, N] a projection slot must have: which 0 q|k|v, 1 o, 2 gate|up, 3 down; layer -1 the LM head. A feature
+// layer's q|k|v reads 2H (its mix) and its head has a draft vocabulary of its own: K given, N any (0).
+static void expected_shape(const Model& m, int layer, int which, long long& K, long long& N) {
+  const long long H = m.H, nq = static_cast<long long>(m.nh) * m.d, nqkv = static_cast<long long>(m.nh + 2 * m.kvh) * m.d;
+  if (layer < 0) {
+    K = H, N = m.feature ? 0 : m.V;
+    return;
+  }
+  switch (which) {
+    case 0: K = m.feature ? 2 * H : H, N = nqkv; return;
+    case 1: K = nq, N = H; return;
+    case 2: K = H, N = 2LL * m.I; return;
+    default: K = m.I, N = H; return;
+  }
+}
+
+static const OwnedWeight* slot(const Model& m, int layer, int which) {
+  if (layer < 0) return &m.head;
+  const Layer& l = m.layers[layer];
+  return which == 0 ? &l.qkv : which == 1 ? &l.o : which == 2 ? &l.gate_up : &l.down;
+}
+
+// Every weight a pass reads is set, with the shapes the model's dimensions give.
+static bool complete(const Model& m) {
+  if (!check(m.embed_rows != nullptr, "no embedding table set") ||
+      !check(static_cast<int>(m.final_norm.size()) == m.H, "no final norm set") ||
+      !check(m.rope_rows > 0, "no rotary table set") ||
+      !check(!m.feature || static_cast<int>(m.hidden_norm.size()) == m.H, "no feature norm set"))
+    return false;
+  for (int l = 0; l < m.L; ++l) {
+    if (!check(static_cast<int>(m.layers[l].ln1.size()) == m.H && static_cast<int>(m.layers[l].ln2.size()) == m.H,
+               "layer " + std::to_string(l) + ": norms not set"))
+      return false;
+    for (int which = 0; which < 4; ++which)
+      if (!check(slot(m, l, which)->packed != nullptr,
+                 "layer " + std::to_string(l) + ": projection " + std::to_string(which) + " not set"))
+        return false;
+  }
+  return check(m.head.packed != nullptr, "no LM head set");
 }
 
 }  // namespace spn
@@ -271,46 +386,114 @@ const char* spn_last_error() { return g_error.c_str(); }
 
 int spn_isa_supported(int isa) { return isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)); }
 
+// feature: 1 for an EAGLE-3 drafter layer (spn_feature_pass), 0 for a decoder (spn_pass).
 void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float eps, float embed_scale, int isa,
-                    int threads) {
+                    int threads, int feature) {
   if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here") ||
-      !check(nh % kvh == 0 && d % 2 == 0 && threads >= 1, "bad shape"))
+      !check(positive(L) && positive(H) && positive(nh) && positive(kvh) && positive(d) && positive(I) && positive(V),
+             "every dimension must be positive") ||
+      !check(nh % kvh == 0, "query heads (" + std::to_string(nh) + ") not a multiple of KV heads (" +
+                                std::to_string(kvh) + ")") ||
+      !check(d % 2 == 0, "head_dim " + std::to_string(d) + " is odd") ||
+      !check(threads >= 1 && threads <= kMaxThreads, "threads " + std::to_string(threads) + " outside 1.." +
+                                                         std::to_string(kMaxThreads)) ||
+      !check(!feature || L == 1, "a feature layer is one layer"))
     return nullptr;
-  Model* m = new Model();
-  m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V;
-  m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
-  m->layers = std::vector<Layer>(L);
-  m->pool = std::make_unique<Pool>(threads);
-  return m;
+  std::unique_ptr<Model> m;
+  try {
+    m = std::make_unique<Model>();
+    m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V, m->feature = feature != 0;
+    m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
+    m->layers = std::vector<Layer>(L);
+    m->pool = std::make_unique<Pool>(threads);
+  } catch (const std::system_error& e) {  // a thread the system would not start
+    g_error = "could not start " + std::to_string(threads) + " threads (" + e.what() + ")";
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return nullptr;
+  }
+  return m.release();
 }
 
 void spn_model_free(void* h) { delete static_cast<Model*>(h); }
 
-int spn_set_embed(void* h, const float* e) {
+static bool embed_ok(const Model& m, const float* e, int64_t rows, int64_t cols) {
+  return check(e != nullptr, "embedding table missing") &&
+         check(rows == m.V && cols == m.H, dims("embedding table", rows, cols) + " for a model of " +
+                                               dims("vocabulary x hidden", m.V, m.H));
+}
+
+int spn_set_embed(void* h, const float* e, int64_t rows, int64_t cols) {
   Model* m = static_cast<Model*>(h);
-  m->embed.assign(e, e + static_cast<size_t>(m->V) * m->H);
+  if (!embed_ok(*m, e, rows, cols)) return 1;
+  try {
+    m->embed.assign(e, e + static_cast<size_t>(m->V) * m->H);
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return 1;
+  }
+  m->embed_rows = m->embed.data();
   return 0;
 }
 
-// which: 0 input norm, 1 post-attention norm of layer `layer`; 2 the final norm
-int spn_set_norm(void* h, int layer, int which, const float* w) {
+// The embedding table at `e` ([V, H], owned by the caller, alive while the model is): no copy.
+int spn_use_embed(void* h, const float* e, int64_t rows, int64_t cols) {
   Model* m = static_cast<Model*>(h);
-  if (!check(which == 2 || (layer >= 0 && layer < m->L), "layer out of range")) return 1;
-  std::vector<float>& dst = which == 2 ? m->final_norm : which == 0 ? m->layers[layer].ln1 : m->layers[layer].ln2;
+  if (!embed_ok(*m, e, rows, cols)) return 1;
+  m->embed.clear();
+  m->embed_rows = e;
+  return 0;
+}
+
+// which: 0 input norm, 1 post-attention norm of layer `layer`; 2 the final norm; 3 a feature layer's norm of
+// its feature input. n: the weights' length (hidden_size).
+int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(which >= 0 && which <= 3, "norm kind out of range") ||
+      !check(which >= 2 || (layer >= 0 && layer < m->L), "layer out of range") ||
+      !check(w != nullptr && n == m->H, "norm of " + std::to_string(n) + " weights for hidden size " +
+                                            std::to_string(m->H)))
+    return 1;
+  std::vector<float>& dst = which == 3   ? m->hidden_norm
+                            : which == 2 ? m->final_norm
+                            : which == 0 ? m->layers[layer].ln1
+                                         : m->layers[layer].ln2;
   dst.assign(w, w + m->H);
   return 0;
 }
 
+// A [K, N] projection from MatMulNBits' layout (q_bytes = N * blocks * 16, n_scales = N * blocks, n_bias N or
+// 0), checked against the shapes the model's dimensions give before it is read.
+static bool weight_ok(int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales, int64_t n_scales,
+                      const float* bias, int64_t n_bias) {
+  const int64_t blocks = (static_cast<int64_t>(K) + kBlock - 1) / kBlock;
+  return check(positive(K) && positive(N), dims("projection", K, N) + " is empty") &&
+         check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * (kBlock / 2),
+               "packed weights of " + std::to_string(q_bytes) + " bytes for " + dims("a projection", K, N)) &&
+         check(scales != nullptr && n_scales == static_cast<int64_t>(N) * blocks,
+               std::to_string(n_scales) + " scales for " + dims("a projection", K, N)) &&
+         check(bias == nullptr ? n_bias == 0 : n_bias == N, std::to_string(n_bias) + " biases for " +
+                                                               std::to_string(N) + " outputs");
+}
+
 // which: 0 q|k|v, 1 o, 2 gate|up, 3 down of layer `layer`; layer -1: the LM head
-int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q, const float* scales,
-                   const float* bias) {
+int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q, int64_t q_bytes,
+                   const float* scales, int64_t n_scales, const float* bias, int64_t n_bias) {
   Model* m = static_cast<Model*>(h);
-  if (!check(layer == -1 || (layer >= 0 && layer < m->L), "layer out of range")) return 1;
-  OwnedWeight* w = layer < 0 ? &m->head
-                   : which == 0 ? &m->layers[layer].qkv
-                   : which == 1 ? &m->layers[layer].o
-                   : which == 2 ? &m->layers[layer].gate_up
-                                : &m->layers[layer].down;
+  if (!check(layer == -1 || (layer >= 0 && layer < m->L), "layer out of range") ||
+      !check(which >= 0 && which <= 3, "projection kind out of range"))
+    return 1;
+  long long wantK, wantN;
+  expected_shape(*m, layer, which, wantK, wantN);
+  if (!check(K == wantK && (wantN == 0 || N == wantN),
+             (layer < 0 ? std::string("LM head") : "layer " + std::to_string(layer) + " projection " +
+                                                       std::to_string(which)) +
+                 ": " + dims("weights", K, N) + " where the model's dimensions give " + std::to_string(wantK) +
+                 " x " + (wantN ? std::to_string(wantN) : std::string("any"))) ||
+      !weight_ok(K, N, q, q_bytes, scales, n_scales, bias, n_bias))
+    return 1;
+  OwnedWeight* w = const_cast<OwnedWeight*>(slot(*m, layer, which));
   try {
     w->load(K, N, q, scales, bias);
   } catch (const std::bad_alloc&) {
@@ -320,36 +503,56 @@ int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q
   return 0;
 }
 
-int spn_set_rope(void* h, int rows, const float* cs, const float* sn) {
+// cos, sin: [rows, half] each, half = head_dim / 2.
+int spn_set_rope(void* h, int rows, int half, const float* cs, const float* sn) {
   Model* m = static_cast<Model*>(h);
+  if (!check(rows > 0 && cs != nullptr && sn != nullptr, "rotary table missing") ||
+      !check(half * 2 == m->d, "rotary table of " + std::to_string(half) + " frequencies for head_dim " +
+                                   std::to_string(m->d)))
+    return 1;
   m->rope_rows = rows;
-  m->cos_tab.assign(cs, cs + static_cast<size_t>(rows) * (m->d / 2));
-  m->sin_tab.assign(sn, sn + static_cast<size_t>(rows) * (m->d / 2));
+  m->cos_tab.assign(cs, cs + static_cast<size_t>(rows) * half);
+  m->sin_tab.assign(sn, sn + static_cast<size_t>(rows) * half);
   return 0;
 }
 
 int spn_set_taps(void* h, int n, const int* layers) {
   Model* m = static_cast<Model*>(h);
+  if (!check(n >= 0 && (n == 0 || layers != nullptr), "taps missing")) return 1;
+  for (int i = 0; i < n; ++i)
+    if (!check(layers[i] >= 0 && layers[i] <= m->L, "tap layer " + std::to_string(layers[i]) + " out of 0.." +
+                                                         std::to_string(m->L)))
+      return 1;
   m->taps.assign(layers, layers + n);
   return 0;
 }
 
-int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, const int64_t* past, const uint8_t* mask,
-             int R, const int64_t* logits_index, float* const* kv, int64_t slot_stride, int cap, float* logits,
-             float* hidden, float* aux) {
-  Model* m = static_cast<Model*>(h);
-  for (int r = 0; r < B * T; ++r) {
-    if (!check(ids[r] >= 0 && ids[r] < m->V, "input_ids out of the vocabulary") ||
-        !check(pos[r] >= 0 && pos[r] < m->rope_rows, "position_ids past the rotary table"))
-      return 1;
+static bool check_args(const Model& m, const PassArgs& p) {
+  if (!complete(m) ||
+      !check(p.B >= 1 && p.T >= 1 && p.R >= 1 && p.cap >= 1, "a pass needs at least one sequence, row and output") ||
+      !check(p.ids && p.pos && p.past && p.mask && p.logits_index && p.kv && p.logits && p.hidden,
+             "a pass buffer is missing") ||
+      !check(p.B == 1 || p.slot_stride >= static_cast<int64_t>(m.kvh) * p.cap * m.d,
+             "KV slot stride smaller than a slot"))
+    return false;
+  for (int i = 0; i < 2 * m.L; ++i)
+    if (!check(p.kv[i] != nullptr, "KV buffer of layer " + std::to_string(i / 2) + " missing")) return false;
+  for (int r = 0; r < p.B * p.T; ++r) {
+    if (!check(p.ids[r] >= 0 && p.ids[r] < m.V, "input_ids out of the vocabulary") ||
+        !check(p.pos[r] >= 0 && p.pos[r] < m.rope_rows, "position_ids past the rotary table"))
+      return false;
   }
-  for (int b = 0; b < B; ++b)
-    if (!check(past[b] >= 0 && past[b] + T <= cap, "KV capacity exceeded")) return 1;
-  for (int i = 0; i < B * R; ++i)
-    if (!check(logits_index[i] >= 0 && logits_index[i] < T, "logits_index outside the window")) return 1;
-  if (!check(m->taps.empty() || aux != nullptr, "aux_hidden_states buffer missing")) return 1;
+  for (int b = 0; b < p.B; ++b)
+    if (!check(p.past[b] >= 0 && p.past[b] + p.T <= p.cap, "KV capacity exceeded")) return false;
+  for (int i = 0; i < p.B * p.R; ++i)
+    if (!check(p.logits_index[i] >= 0 && p.logits_index[i] < p.T, "logits_index outside the window")) return false;
+  return true;
+}
+
+static int guarded(void (*fn)(Model&, const PassArgs&), Model& m, const PassArgs& p) {
+  if (!check_args(m, p)) return 1;
   try {
-    run_pass(*m, PassArgs{B, T, ids, pos, past, mask, R, logits_index, kv, slot_stride, cap, logits, hidden, aux});
+    fn(m, p);
   } catch (const std::bad_alloc&) {
     g_error = "out of memory";
     return 1;
@@ -357,24 +560,76 @@ int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, cons
   return 0;
 }
 
-// One W4A8 product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W.
-void* spn_linear_new(int K, int N, const uint8_t* q, const float* scales, const float* bias) {
-  OwnedWeight* w = new OwnedWeight();
-  w->load(K, N, q, scales, bias);
-  return w;
+int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, const int64_t* past, const uint8_t* mask,
+             int R, const int64_t* logits_index, float* const* kv, int64_t slot_stride, int cap, float* logits,
+             float* hidden, float* aux) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(!m->feature, "a feature layer runs spn_feature_pass") ||
+      !check(m->taps.empty() || aux != nullptr, "aux_hidden_states buffer missing"))
+    return 1;
+  return guarded(run_pass, *m,
+                 PassArgs{B, T, ids, pos, past, mask, R, logits_index, kv, slot_stride, cap, logits, hidden, aux,
+                          nullptr});
+}
+
+// One pass of an EAGLE-3 drafter layer (a model of one layer, with its hidden norm set) over one sequence's
+// T rows: token ids, their features `hidden_in` [T, H]; `hidden` gets the layer outputs [T, H].
+int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in, const int64_t* pos,
+                     const int64_t* past, const uint8_t* mask, int R, const int64_t* logits_index, float* const* kv,
+                     int cap, float* logits, float* hidden) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(m->feature, "not a feature layer (spn_model_new feature 0)") ||
+      !check(hidden_in != nullptr, "feature input missing"))
+    return 1;
+  return guarded(run_feature_pass, *m,
+                 PassArgs{1, T, ids, pos, past, mask, R, logits_index, kv, 0, cap, logits, hidden, nullptr,
+                          hidden_in});
+}
+
+// One W4A8 product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.
+void* spn_linear_new(int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales, int64_t n_scales,
+                     const float* bias, int64_t n_bias) {
+  if (!weight_ok(K, N, q, q_bytes, scales, n_scales, bias, n_bias)) return nullptr;
+  try {
+    std::unique_ptr<OwnedWeight> w = std::make_unique<OwnedWeight>();
+    w->load(K, N, q, scales, bias);
+    return w.release();
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return nullptr;
+  }
 }
 
 void spn_linear_free(void* h) { delete static_cast<OwnedWeight*>(h); }
 
-int spn_linear_run(void* h, int isa, int threads, int M, const float* x, float* y) {
+// x: M * K floats (x_len), y: M * N floats (y_len).
+int spn_linear_run(void* h, int isa, int threads, int M, const float* x, int64_t x_len, float* y, int64_t y_len) {
   OwnedWeight* w = static_cast<OwnedWeight*>(h);
-  if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here")) return 1;
+  if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here") ||
+      !check(threads >= 1 && threads <= kMaxThreads, "threads " + std::to_string(threads) + " outside 1.." +
+                                                         std::to_string(kMaxThreads)) ||
+      !check(M >= 1 && x && y, "a product needs rows and buffers") ||
+      !check(x_len == static_cast<int64_t>(M) * w->K && y_len == static_cast<int64_t>(M) * w->N,
+             "buffers of " + std::to_string(x_len) + " and " + std::to_string(y_len) + " floats for " +
+                 std::to_string(M) + " rows of " + dims("a projection", w->K, w->N)))
+    return 1;
   static thread_local ActBuffer qa;
-  qa.reserve(M, w->K);
+  static thread_local std::unique_ptr<Pool> pool;
+  try {
+    qa.reserve(M, w->K);
+    if (!pool || pool->size() != threads) {
+      pool.reset();
+      pool = std::make_unique<Pool>(threads);
+    }
+  } catch (const std::system_error& e) {
+    g_error = "could not start " + std::to_string(threads) + " threads (" + e.what() + ")";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return 1;
+  }
   const Ops ops = ops_for(static_cast<Isa>(isa));
   for (int r = 0; r < M; ++r) ops.quantize_row(x + static_cast<size_t>(r) * w->K, w->K, qa, r);
-  static thread_local std::unique_ptr<Pool> pool;
-  if (!pool || pool->size() != threads) pool = std::make_unique<Pool>(threads);
   const QAct* a = &qa;  // this thread's buffer: the pool's threads have thread_locals of their own
   pool->run([&](int tid, int nt) {
     int lo, hi;

@@ -22,20 +22,20 @@ namespace spn {
 
 class Pool {
  public:
+  // Throws std::system_error when the system will not start a thread; the threads already started are
+  // stopped and joined first (a joinable std::thread destroyed would terminate the process).
   explicit Pool(int n) : n_(n < 1 ? 1 : n) {
-    for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t] { work(t); });
+    try {
+      workers_.reserve(n_ - 1);
+      for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t] { work(t); });
+    } catch (...) {
+      shutdown();
+      throw;
+    }
   }
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  ~Pool() { shutdown(); }
 
   int size() const { return n_; }
 
@@ -65,6 +65,16 @@ class Pool {
   }
 
  private:
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
   template <class Ready>
   static void wait_until(Ready ready) {
     for (int i = 0; !ready(); ++i) {

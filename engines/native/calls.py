@@ -1,0 +1,65 @@
+"""The library's setters and products called with numpy arrays: each array's dtype and layout are made what
+the C side reads, and its element count goes along, so the C side checks every size against the model's
+dimensions before it reads (csrc/model.cpp) and a wrong call is an error, not a read past an end."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from specrt.engines.native.weights import Linear
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32)
+
+
+def ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def use_embed(lib: ctypes.CDLL, h: int, table: np.ndarray) -> bool:
+    """The table is read in place: the caller keeps it alive while the model is."""
+    if table.ndim != 2 or table.dtype != np.float32 or not table.flags.c_contiguous:
+        return False
+    return lib.spn_use_embed(h, ptr(table), table.shape[0], table.shape[1]) == 0
+
+
+def set_norm(lib: ctypes.CDLL, h: int, layer: int, which: int, weights: np.ndarray) -> bool:
+    w = f32(weights).reshape(-1)
+    return lib.spn_set_norm(h, layer, which, ptr(w), w.size) == 0
+
+
+def set_linear(lib: ctypes.CDLL, h: int, layer: int, which: int, lin: Linear) -> bool:
+    q, s = np.ascontiguousarray(lin.q, np.uint8), f32(lin.scales)
+    b = None if lin.bias is None else f32(lin.bias)
+    return lib.spn_set_linear(h, layer, which, lin.k, lin.n, ptr(q), q.size, ptr(s), s.size, ptr(b),
+                              0 if b is None else b.size) == 0
+
+
+def set_rope(lib: ctypes.CDLL, h: int, cos: np.ndarray, sin: np.ndarray) -> bool:
+    cos, sin = f32(cos), f32(sin)
+    if cos.ndim != 2 or cos.shape != sin.shape:
+        return False
+    return lib.spn_set_rope(h, cos.shape[0], cos.shape[1], ptr(cos), ptr(sin)) == 0
+
+
+def set_taps(lib: ctypes.CDLL, h: int, taps: list[int]) -> bool:
+    t = np.asarray(taps, np.int32)
+    return lib.spn_set_taps(h, len(t), ptr(t)) == 0
+
+
+def linear_new(lib: ctypes.CDLL, lin: Linear) -> int | None:
+    """A product of its own (spn_linear_run); None when refused (library.last_error says why)."""
+    q, s = np.ascontiguousarray(lin.q, np.uint8), f32(lin.scales)
+    b = None if lin.bias is None else f32(lin.bias)
+    return lib.spn_linear_new(lin.k, lin.n, ptr(q), q.size, ptr(s), s.size, ptr(b), 0 if b is None else b.size)
+
+
+def linear_run(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, y: np.ndarray) -> int:
+    """y[M, N] = x[M, K] · W on kernel code `kernel`; 0 when done."""
+    for a in (x, y):
+        if a.dtype != np.float32 or not a.flags.c_contiguous or a.ndim != 2:
+            raise ValueError("linear_run takes C-contiguous float32 [rows, columns] arrays")
+    return lib.spn_linear_run(h, kernel, threads, x.shape[0], ptr(x), x.size, ptr(y), y.size)
