@@ -13,17 +13,20 @@
 The step itself, with its maths (greedy walk, rejection sampling, KV compaction and rollback), is
 on one page in runtime/sequence.py. Greedy output equals plain greedy decoding ("plain" proposes
 nothing: one token per pass); sampled output follows the target's (warped) distribution. The target
-runs on any backend of engines/registry.py; drafters on ONNX Runtime, CPU.
+runs on any backend of engines/registry.py; drafters on ONNX Runtime, CPU, and EAGLE-3 layers on the native
+kernels where the target runs there (runtime/drafters/features.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.clock import Clock
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick
@@ -46,7 +49,8 @@ class Generator:
                  threads: int = 2, num_draft_tokens: int = 5, tree: str | None = None,
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "auto",
                  exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False,
-                 auto_candidates: Iterable[str] | None = None, **drafter_options):
+                 auto_candidates: Iterable[str] | None = None, clock: Clock = time.perf_counter,
+                 **drafter_options):
         """`drafter` "auto": each request runs the candidate drafter (`auto_candidates`, default every
         drafter the bundle has) whose measured pay-off is highest, with adaptive depth, or plain decoding.
 
@@ -57,7 +61,11 @@ class Generator:
         measured batch-invariant on this machine (runtime/exactness.py). Where none is, speculation
         and batching fall back to plain batch-1 decoding (the exact path) with a note in `notes`,
         unless `allow_inexact`. `verify`: hash every file against manifest.json again, not only the ones
-        changed since they were last verified on this machine (schema/integrity.py)."""
+        changed since they were last verified on this machine (schema/integrity.py).
+
+        `clock`: what its sequences, and a serving scheduler over it, measure the seconds they decide
+        from by (runtime/clock.py; a test's `FakeClock`)."""
+        self.clock = clock
         self.model = TargetModel(bundle, max_seq_len, threads, backend, exec_mode, slots, allow_inexact, verify)
         self.acceptance = acceptance
         self.state = self.new_state()  # slot 0's target state (`generate` and the scheduler's slot 0)
@@ -203,7 +211,7 @@ class Generator:
             control = self.pool.controller(self.key) if self._adapts else None
         request = Request(prompt_ids, max_new_tokens, sampling, **options)
         return Sequence(request, self.model.terms(self.acceptance, self.drafter_name), drafter, state,
-                        self.model.compactor(slot), control, max_nodes)
+                        self.model.compactor(slot), control, max_nodes, self.clock)
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None) -> Iterator[list[int]]:

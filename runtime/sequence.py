@@ -24,6 +24,7 @@ from specrt.errors import SpecrtError
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.acceptance import LOSSY, Window, acceptance_for
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.clock import Clock
 from specrt.runtime.drafters import Drafter, Proposal
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.logits import TokenLogprob, biased, token_logprobs
@@ -101,11 +102,12 @@ class Sequence:
 
     def __init__(self, request: Request, terms: SequenceTerms, drafter: Drafter, state: TargetState,
                  compact: Callable[[int, list[int]], None], control: AdaptiveDepth | None = None,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, clock: Clock = time.perf_counter):
         """`request`: the prompt and its terms; `terms`: what the target holds it to (runtime/settings.py);
         `drafter` and `state` are this sequence's own while it runs; `control` its adaptive-depth
         controller (None: fixed depth); `max_nodes`: drafted nodes per step at most (a batched pass's
-        padding room)."""
+        padding room); `clock`: what its stage seconds, and so `control`'s costs, are measured by
+        (runtime/clock.py)."""
         self.request, self.terms = request, terms
         self.sampling = request.sampling or SamplingParams()
         self.rule_name, self.rule = acceptance_for(terms.acceptance, self.sampling)
@@ -124,7 +126,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []  # one per committed token when `logprobs` is set
         self.finish: str | None = None
         self.stats = Stats()
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock()
 
     @property
     def done(self) -> bool:
@@ -134,8 +137,8 @@ class Sequence:
     def prefill(self, run: RunPass, chunk: int | None = None) -> list[int]:
         """The prompt's passes (KV rows 0..n-1, in chunks of `chunk` rows, default GENERATE_PREFILL_CHUNK)
         through `run`; the first token."""
-        t0 = time.perf_counter()
-        return self.prefilled(self.run_prefill(run, chunk), time.perf_counter() - t0)
+        t0 = self.clock()
+        return self.prefilled(self.run_prefill(run, chunk), self.clock() - t0)
 
     def run_prefill(self, run: RunPass, chunk: int | None = None) -> np.ndarray:
         """The prompt's passes through `run` (chunks of `chunk` rows, default GENERATE_PREFILL_CHUNK), their
@@ -164,7 +167,7 @@ class Sequence:
 
     def prefilled(self, logits: np.ndarray, seconds: float = 0.0) -> list[int]:
         """After the last prefill pass (`logits` [1, V] of the last prompt row): the first token."""
-        with Timer(self.stats, "prefill"):
+        with Timer(self.stats, "prefill", self.clock):
             logits = biased(logits, self.logit_bias)
             first = pick(logits[0], self.sampling, self.rng)
             self.finish = self._emit([first])
@@ -198,9 +201,9 @@ class Sequence:
         p = self.plan()  # 1. propose
         if p is None:
             return None
-        t0 = time.perf_counter()
+        t0 = self.clock()
         outs = run(p)  # 2. verify
-        return self.commit(p, outs["logits"][0], outs, time.perf_counter() - t0)  # 3. accept, 4. commit
+        return self.commit(p, outs["logits"][0], outs, self.clock() - t0)  # 3. accept, 4. commit
 
     def plan(self, depth_cap: int | None = None) -> Pass | None:
         """1. propose: this step's draft as the verify window, or None once the sequence is finished.
@@ -218,10 +221,12 @@ class Sequence:
         if capped:
             max_depth = depth_cap
         depth = min(self.control.choose().depth, max_depth) if self.control and not capped else max_depth
-        with Timer(self.stats, "propose") as t:
+        with Timer(self.stats, "propose", self.clock) as t:
             prop = Proposal()  # depth 0 (adaptive chose a plain step, or one token is left): no draft
             if depth > 0:
+                calls = self.drafter.engine_calls
                 prop = self.drafter.propose(self.tokens, max_nodes, depth, self.sampling, self.rng)
+                self.stats.draft_calls += self.drafter.engine_calls - calls
             prop = prop.limited(max_nodes, depth)
             if self.chains_only:
                 prop = prop.first_path()
@@ -233,10 +238,10 @@ class Sequence:
         """3. accept and 4. commit, after the verify pass over `p` (`logits` [T, V] of its window rows,
         `outs` its batch-1 outputs); the tokens committed."""
         self.stats.stage_seconds["verify"] += verify_seconds
-        with Timer(self.stats, "accept"):
+        with Timer(self.stats, "accept", self.clock):
             logits = biased(logits, self.logit_bias)
             path, nxt = self._accept(p, logits)
-        with Timer(self.stats, "commit"):
+        with Timer(self.stats, "commit", self.clock):
             self._commit_kv(p.past, path, outs)
             self._record(p, len(path), verify_seconds)
             kept = len(self.out)
@@ -297,7 +302,7 @@ class Sequence:
 
     def result(self) -> Result:
         self.stats.new_tokens = len(self.out)
-        self.stats.seconds = time.perf_counter() - self.t0
+        self.stats.seconds = self.clock() - self.t0
         lossy = self.rule_name in LOSSY
         return Result(token_ids=self.out, finish_reason=self.finish or "length", stats=self.stats,
                       lossy=lossy, lossless=self.exact and not lossy, drafter=getattr(self.drafter, "name", ""))

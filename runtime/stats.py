@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from specrt.runtime.clock import Clock
 
 STAGES = ("prefill", "propose", "verify", "accept", "commit")
 
@@ -18,6 +19,7 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)  # by depth in the tree
     plain_steps: int = 0  # adaptive depth chose plain decoding (speculation did not pay)
     depth_sum: int = 0  # draft depth limits chosen, summed over steps (adaptive)
+    draft_calls: int = 0  # drafter engine calls (layer passes, fuses, head sessions) while proposing
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @property
@@ -59,6 +61,8 @@ class Stats:
                 "acceptance_rate": round(self.acceptance_rate, 4), "drafted": self.drafted,
                 "accepted": self.accepted, "accepted_per_position": self.accepted_per_position,
                 "plain_steps": self.plain_steps, "mean_draft_depth": round(self.mean_draft_depth, 3),
+                "draft_calls": self.draft_calls,
+                "draft_calls_per_step": round(self.draft_calls / self.steps, 3) if self.steps else 0.0,
                 "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()}}
 
 
@@ -74,13 +78,16 @@ class Result:
 
 
 class Timer:
-    def __init__(self, stats: Stats, stage: str):
-        self.stats, self.stage = stats, stage
+    """Adds the seconds its block took to `stage`, read from `clock`: the sequence's (runtime/clock.py), so
+    that what adaptive depth learns a stage costs is measured the way the sequence measures the rest."""
+
+    def __init__(self, stats: Stats, stage: str, clock: Clock):
+        self.stats, self.stage, self.clock = stats, stage, clock
 
     def __enter__(self):
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
         return self
 
     def __exit__(self, *exc):
-        self.elapsed = time.perf_counter() - self.t0
+        self.elapsed = self.clock() - self.t0
         self.stats.stage_seconds[self.stage] += self.elapsed

@@ -41,6 +41,7 @@ import numpy as np
 from specrt.engines.registry import backend_entry
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.clock import Clock
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import Pass, Sequence, check_prompt, pack_windows
@@ -65,8 +66,10 @@ class Handle:
     matched) frees its slot, or its place in the queue, at the scheduler's next step."""
 
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
-                 loop: asyncio.AbstractEventLoop | None, options: dict | None = None):
-        """`options`: more `Generator.sequence` arguments (`logit_bias`, `logprobs`)."""
+                 loop: asyncio.AbstractEventLoop | None, options: dict | None = None,
+                 clock: Clock = time.perf_counter):
+        """`options`: more `Generator.sequence` arguments (`logit_bias`, `logprobs`); `clock`: the
+        scheduler's, which `submitted` and `first_token_at` are read from."""
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.options = dict(options or {})
         self.loop = loop
@@ -75,7 +78,8 @@ class Handle:
         self.cancel_reason: str | None = None  # the finish reason it was cut with: "cancelled" or "stop"
         self.result: Result | None = None
         self.error: BaseException | None = None
-        self.submitted = time.perf_counter()
+        self.clock = clock
+        self.submitted = clock()
         self.first_token_at: float | None = None
 
     def cancel(self, reason: str = "cancelled") -> None:
@@ -99,7 +103,7 @@ class Handle:
 
     def _deliver(self, tokens: list[int], logprobs: list) -> None:
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = self.clock()
         self.logprobs.extend(logprobs)  # before the tokens are queued: a consumer sees both together
         self._put(tokens)
 
@@ -145,14 +149,17 @@ class _Slot:
 
 class Scheduler:
     """Continuous batching over a `Generator` built with `slots` KV slots (its drafter settings are the
-    server's); `submit` from any thread, results through the returned `Handle`."""
+    server's); `submit` from any thread, results through the returned `Handle`. Pass costs, request times
+    and every sequence's stage seconds are read from the generator's clock (`Generator.clock`,
+    runtime/clock.py), the one its sequences use, so what the pass plan and adaptive depth decide from is
+    measured alike."""
 
     def __init__(self, gen: Generator, max_waiting: int = 64, metrics: Metrics | None = None,
                  max_slots: int | None = None):
         """`max_slots`: use only that many of the generator's KV slots (batch-1 serving: 1)."""
         if gen.slots < 1:
             raise SpecrtError("the scheduler needs at least one KV slot")
-        self.gen, self.max_waiting = gen, max_waiting
+        self.gen, self.max_waiting, self.clock = gen, max_waiting, gen.clock
         self.metrics = metrics or Metrics()
         self.drafter_name = gen.drafter_label
         self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
@@ -197,7 +204,8 @@ class Scheduler:
         """Queue a request; raises SchedulerFull when every slot is busy and `max_waiting` are waiting.
         `options`: more `Generator.sequence` arguments (`logit_bias`, `logprobs`)."""
         check_prompt(prompt_ids, self.gen.capacity)  # refused now, not after queueing
-        handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop, options)
+        handle = Handle(list(prompt_ids), int(max_new_tokens), sampling or SamplingParams(), loop, options,
+                        self.clock)
         with self._lock:
             if self._stop:
                 raise SchedulerFull("the scheduler is shutting down")
@@ -289,15 +297,15 @@ class Scheduler:
         slot = min(waiting, key=lambda s: s.handle.submitted)
         p = slot.prefill.popleft()
         try:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             outs = self._pass([p], slot.index, slot.index + 1)
             slot.seq.absorb(p, outs)
-            slot.prefill_seconds += time.perf_counter() - t0
+            slot.prefill_seconds += self.clock() - t0
             if slot.prefill:
                 return
             first = slot.seq.prefilled(outs["logits"][0], slot.prefill_seconds)
             self.metrics.prompt_tokens.inc(len(slot.handle.prompt_ids))
-            self.metrics.time_to_first_token.observe(time.perf_counter() - slot.handle.submitted)
+            self.metrics.time_to_first_token.observe(self.clock() - slot.handle.submitted)
             self._deliver(slot, first)
         except Exception as e:
             self._fail([slot], e)
@@ -325,7 +333,7 @@ class Scheduler:
         """A request that ended before its sequence began: counted, and its consumer told."""
         if handle.cancel_reason == "cancelled":
             self.metrics.cancelled.inc()
-        self.metrics.finished(handle.cancel_reason, time.perf_counter() - handle.submitted)
+        self.metrics.finished(handle.cancel_reason, self.clock() - handle.submitted)
         handle._finish(None, None)
 
     def _step(self) -> None:
@@ -366,13 +374,13 @@ class Scheduler:
             return
         lo, hi = min(plans), max(plans) + 1
         batch = [plans.get(b, self._idle_pass(self.slots[b])) for b in range(lo, hi)]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             outs = self._pass(batch, lo, hi)
         except Exception as e:
             self._fail([self.slots[b] for b in plans], e)
             return
-        seconds = time.perf_counter() - t0
+        seconds = self.clock() - t0
         self.steps += 1
         self.batch_sizes.append(len(plans))
         self.metrics.step_seconds.observe(seconds)
@@ -431,7 +439,7 @@ class Scheduler:
         slot.drafter.finish(seq.tokens)  # what every slot's drafter may draft from next (suffix's store)
         handle = self._unclaim(slot)
         result = seq.result()
-        self.metrics.finished(result.finish_reason, time.perf_counter() - handle.submitted)
+        self.metrics.finished(result.finish_reason, self.clock() - handle.submitted)
         handle._finish(result)
 
     def _fail(self, slots: list[_Slot], error: BaseException) -> None:

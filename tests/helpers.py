@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -63,11 +64,16 @@ def random_drafters() -> dict[str, dict]:
             for s in kinds().values() if s.learned and not s.bundle_role}
 
 
+HEAD_VOCAB = 3000  # draft-vocabulary size of random drafters' heads (kinds with `Training.head_vocab`)
+
+
 def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[tuple[str, Path]]:
     """Drafters of each kind in `specs` ({kind: config fields}) for the loaded `target`, with random
     non-trivial weights (one seeded stream, so the same call gives the same weights), saved as
-    checkpoints under folder/<kind>; EAGLE-3's reduced vocabulary is spread over the target's."""
+    checkpoints under folder/<kind>; each reduced draft vocabulary (EAGLE-3's and block's, the heads of
+    the kinds that keep one) is spread over the target's."""
     from specrt.export import drafters
+    from specrt.export.drafters import kind_spec
 
     gen, saved = torch.Generator().manual_seed(0), []
     vocab = target.module.cfg.vocab_size
@@ -80,6 +86,8 @@ def save_random_drafters(folder: Path, target, specs: dict[str, dict]) -> list[t
             if hasattr(m, "d2t"):  # a reduced draft vocabulary (EAGLE-3, block)
                 n = m.cfg.draft_vocab_size
                 m.d2t.copy_(torch.randperm(vocab, generator=gen)[:n].sort().values - torch.arange(n))
+        if kind_spec(kind).training.head_vocab:  # a head over a draft vocabulary (EAGLE, MTP, Medusa)
+            m.set_head_vocab(torch.randperm(vocab, generator=gen)[:HEAD_VOCAB].sort().values)
         drafters.save(m.eval(), folder / kind)
         saved.append((kind, folder / kind))
     return saved
@@ -140,3 +148,13 @@ def export_tiny(tmp: Path, family: str, quantize: str | None = "int4", **overrid
     out = tmp / "bundle"
     export_bundle(loaded, out, ExportOptions(draft_layers=0, progress=False, quantize=quantize))
     return out
+
+
+def eventually(probe, timeout: float = 30.0, every: float = 0.01):
+    """`probe()`'s first truthy value, asked every `every` seconds until `timeout` seconds have passed
+    (then its last value, falsy). For a wait on something that is bound to happen: the deadline is far
+    beyond the time it takes on any machine, so a verdict never depends on the machine's speed."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()) and time.monotonic() < deadline:
+        time.sleep(every)
+    return value

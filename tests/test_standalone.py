@@ -114,7 +114,8 @@ print("\\n".join(bad))
 # [serve] extra; the Triton server's Python model runs inside Triton (`triton_python_backend_utils`)
 NEED_EXTRAS = ("specrt.export", "specrt.plugins.triton_kernels", "specrt.deploy.triton.model", "specrt.serving.api",
                "specrt.serving.http", "specrt.serving.guards", "specrt.serving.metrics", "specrt.serving.protocol",
-               "specrt.serving.scheduler",
+               "specrt.serving.scheduler", "specrt.serving.errors", "specrt.serving.counted",
+               "specrt.serving.state", "specrt.serving.completion", "specrt.serving.routes",
                "specrt.tools.loadgen")
 
 

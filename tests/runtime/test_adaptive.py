@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.clock import FakeClock
 from specrt.runtime.generate import Generator
+from tests.scripted import Script, ScriptedDrafter, paced
+
+VERIFY_S = 0.01  # what a target pass costs on a test's fake clock, whatever its rows
 
 
 def drive(ctrl: AdaptiveDepth, accept_prob: float, verify_cost, steps: int, seed: int = 0) -> list[int]:
@@ -65,12 +69,47 @@ def test_adaptive_output_equals_plain(tiny_bundle, drafter, tree):
     assert 0 <= st["plain_steps"] <= st["steps"] and st["mean_draft_depth"] > 0
 
 
+def _scripted_run(tiny_bundle, prompt: list[int], want: list[int], draft_seconds: float):
+    """Adaptive generation of `want` after `prompt` on a fake clock: every draft is the target's own
+    continuation (all accepted) and costs `draft_seconds`, every target pass VERIFY_S."""
+    clock = FakeClock()
+    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, adaptive=True, num_draft_tokens=4, clock=clock)
+    gen.target.run_all = paced(gen.target.run_all, clock, VERIFY_S)
+    gen.drafter = ScriptedDrafter({tuple(prompt): Script(want, seconds=draft_seconds)}, clock)
+    return gen.generate_ids(prompt, len(want))
+
+
+def test_the_controller_decides_by_the_injected_clock(tiny_bundle):
+    """The same drafts, all accepted, in both runs; only what the clock says a draft costs differs. Drafting
+    free, deep drafts pay; drafting at 10 verify passes a draft, plain decoding commits more per second, so
+    the controller goes plain (probing now and then). Timed by the machine's clock instead, both runs would
+    measure the same drafter and choose alike; every stage's seconds are the script's."""
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 9, 12, 3, 4, 5]
+    want = Generator(tiny_bundle, max_seq_len=64).generate_ids(prompt, 40).token_ids
+    free, costly = (_scripted_run(tiny_bundle, prompt, want, s) for s in (0.0, 10 * VERIFY_S))
+    assert free.token_ids == costly.token_ids == want
+    deep, plain = free.stats, costly.stats
+    assert deep.mean_draft_depth > 3 > 1 > plain.mean_draft_depth, (deep.to_dict(), plain.to_dict())
+    assert deep.plain_steps <= 1  # at most one: the step that measures a one-row pass
+    assert plain.plain_steps > 0.7 * plain.steps  # all but the first steps (full depth) and the probes
+    for st, draft_seconds in ((deep, 0.0), (plain, 10 * VERIFY_S)):
+        drafted = st.steps - st.plain_steps
+        assert st.stage_seconds["propose"] == pytest.approx(drafted * draft_seconds)
+        assert st.stage_seconds["verify"] == pytest.approx(st.steps * VERIFY_S)
+        assert st.seconds == pytest.approx((1 + st.steps) * VERIFY_S + drafted * draft_seconds)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
-def test_adaptive_real_model_equals_plain_and_shows_its_choices(real_generator, drafter):
+def test_adaptive_real_model_equals_plain_and_shows_its_choices(real_generator, drafter, monkeypatch):
+    """On a fake clock (a pass costs VERIFY_S, drafting nothing) the controller's choices follow the
+    acceptance alone, not how busy the machine is."""
     gen = real_generator
     ids = gen.tokenizer.encode_prompt("List the numbers from 1 to 30, separated by commas, then say done.")
     plain = gen.use("plain").generate_ids(ids, 96).token_ids
+    clock = FakeClock()
+    monkeypatch.setattr(gen, "clock", clock)
+    monkeypatch.setattr(gen.target, "run_all", paced(gen.target.run_all, clock, VERIFY_S))
     gen.configure(6, None, adaptive=True)
     try:
         res = gen.use(drafter).generate_ids(ids, 96)

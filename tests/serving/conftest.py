@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import threading
+
 import pytest
+
+from tests.helpers import eventually
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +31,59 @@ def served(tiny_bundle):
         yield url, scheduler
 
 
-def slow_model(scheduler, seconds: float) -> None:
-    """Make every target pass take at least `seconds` (a stand-in for a big model), so a test can act
-    while a request is still running."""
-    import time
+HOLD_S = 60.0  # a pass held longer fails (its requests get a 500): a broken test fails, it never hangs
 
-    run_all = scheduler.gen.target.run_all
 
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return run_all(*args, **kwargs)
+class Gate:
+    """The scheduler's target passes (each call of `target.run_all`) run only as the test lets them, so
+    "the request holds its slot" (or "is queued", "has not finished") is a fact when the test acts, on a
+    machine of any speed. Passes are numbered as they reach the gate (`started`).
 
-    scheduler.gen.target.run_all = slow
+        Gate(scheduler, closed=False)   installed over the scheduler's target
+        close() / open()                passes reaching the gate from now on wait / every pass runs
+        allow(n)                        n more passes run (the first n the gate holds, or will)
+        hold(until)                     besides, every pass waits until `until()` is true (None: no such
+                                        condition; `until` runs on the scheduler's thread, at the pass)
+        wait_started(n)                 True once n passes have reached the gate
+        reset()                         open, no hold
+
+    The scheduler's thread waits at the gate holding none of its locks: requests are still submitted,
+    queued and refused meanwhile."""
+
+    def __init__(self, scheduler, closed: bool = False):
+        self.target = scheduler.gen.target
+        self._run_all = self.target.run_all
+        self._lock = threading.Lock()
+        self.started = 0
+        self._allowed = 0 if closed else math.inf
+        self._until = None
+        self.target.run_all = self._pass
+
+    def _pass(self, *args, **kwargs):
+        with self._lock:
+            self.started += 1
+            n = self.started
+        if not eventually(lambda: n <= self._allowed and (self._until is None or self._until()), HOLD_S):
+            raise RuntimeError(f"target pass {n} was held at the gate for {HOLD_S:g} s: the test never let it run")
+        return self._run_all(*args, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._allowed = self.started
+
+    def open(self) -> None:
+        self._allowed = math.inf
+
+    def allow(self, n: int = 1) -> None:
+        with self._lock:
+            self._allowed += n
+
+    def hold(self, until) -> None:
+        self._until = until
+
+    def reset(self) -> None:
+        self._until = None
+        self.open()
+
+    def wait_started(self, n: int) -> bool:
+        return bool(eventually(lambda: self.started >= n))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
 import pytest
 
 from specrt.tools.loadgen import loopback_server as running
-from tests.serving.conftest import slow_model
+from tests.helpers import eventually
+from tests.serving.conftest import Gate
 
 PROMPT = "The list of colors: red, green, blue, red, green,"
 
@@ -149,6 +149,9 @@ def test_malformed_bodies_and_fuzz_never_crash_the_server(served):
 def test_health_models_and_metrics(served):
     url, _ = served
     httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}, timeout=60)
+    ok = 'specrt_requests_total{endpoint="/v1/completions",status="200"}'
+    # counted once its response has gone out (after the client may have read it)
+    assert eventually(lambda: ok in httpx.get(f"{url}/metrics").text)
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["slots"] == 4 and health["drafter"] == "ngram"
     models = httpx.get(f"{url}/v1/models").json()
@@ -156,7 +159,7 @@ def test_health_models_and_metrics(served):
     text = httpx.get(f"{url}/metrics").text
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
-    assert samples['specrt_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert samples[ok] >= 1
     assert samples["specrt_generation_tokens_total"] >= 8
     assert samples["specrt_spec_decode_num_draft_tokens_total"] >= samples["specrt_spec_decode_num_accepted_tokens_total"]
     per_pos = sum(v for k, v in samples.items() if k.startswith("specrt_spec_decode_num_accepted_tokens_per_pos_total"))
@@ -183,31 +186,36 @@ def test_health_is_503_once_the_scheduler_stopped(tiny_bundle):
 
 
 @pytest.fixture()
-def slow_server(tiny_bundle):
+def gated_server(tiny_bundle):
+    """(URL, scheduler, gate): one slot, no queue, every target pass held at a closed gate until the test
+    lets it run."""
     from specrt.runtime.generate import Generator
     from specrt.serving.api import create_app
     from specrt.serving.scheduler import Scheduler
 
     scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=0)
-    slow_model(scheduler, 0.05)
+    gate = Gate(scheduler, closed=True)
     with running(create_app(scheduler, "tiny")) as url:
-        yield url, scheduler
+        yield url, scheduler, gate
+        gate.reset()  # whatever the test left held runs, so the server shuts down
 
 
-def test_full_server_answers_503_and_disconnect_frees_the_slot(slow_server):
-    url, scheduler = slow_server
+def test_full_server_answers_503_and_disconnect_frees_the_slot(gated_server):
+    url, scheduler, gate = gated_server
     req = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.Client(base_url=url, timeout=60) as c:
+        gate.allow(1)  # its prefill (the first token); its next pass waits at the gate
         with c.stream("POST", "/v1/completions", json=req) as s:
-            next(s.iter_lines())  # the request holds the only slot
+            next(s.iter_lines())  # the first token came ...
+            assert gate.wait_started(2) and scheduler.running == 1  # ... and its second pass waits: it holds the slot
             busy = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
             assert "retry later" in busy.json()["error"]["message"]
-        # the client hung up mid-stream: the slot is free within a few steps
-        deadline = time.monotonic() + 10
-        while scheduler.running and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert scheduler.running == 0
+        # the client hung up mid-stream: the server cancels the request while its pass is still held (so it
+        # cannot finish its 40 tokens first), then the slot is free within a step
+        assert eventually(lambda: scheduler.slots[0].handle is not None and scheduler.slots[0].handle.cancelled)
+        gate.open()
+        assert eventually(lambda: scheduler.running == 0)
         text = c.get("/metrics").text
         assert "specrt_cancelled_total 1.0" in text
         assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

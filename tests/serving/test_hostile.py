@@ -4,6 +4,7 @@ generic and counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -16,9 +17,13 @@ import pytest
 from specrt.serving.api import Limits
 from specrt.serving.guards import LOOPBACK_HOSTS
 from specrt.tools.loadgen import loopback_server as running
+from tests.helpers import eventually
 
 KEY = "sk-test-5f2b"
-LIMITS = Limits(max_body_bytes=64 << 10, read_timeout_s=0.5, api_key=KEY, allowed_hosts=LOOPBACK_HOSTS)
+# a request's head and body get 30 s here (no ordinary request of these tests meets the deadline, however
+# loaded the machine); the `impatient` server's TIMEOUT_S is the one its slow-client test waits out
+LIMITS = Limits(max_body_bytes=64 << 10, read_timeout_s=30.0, api_key=KEY, allowed_hosts=LOOPBACK_HOSTS)
+TIMEOUT_S = 0.5
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The list of colors: red, green, blue, red, green,"
 
@@ -32,6 +37,20 @@ def guarded(tiny_bundle):
     scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), max_waiting=8)
     with running(create_app(scheduler, "tiny", default_max_tokens=8, limits=LIMITS), limits=LIMITS) as url:
         yield url, scheduler
+
+
+@pytest.fixture()
+def impatient(tiny_bundle):
+    """The URL of a server guarded like `guarded` whose request heads and bodies must arrive within
+    TIMEOUT_S."""
+    from specrt.runtime.generate import Generator
+    from specrt.serving.api import create_app
+    from specrt.serving.scheduler import Scheduler
+
+    limits = dataclasses.replace(LIMITS, read_timeout_s=TIMEOUT_S)
+    scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), max_waiting=8)
+    with running(create_app(scheduler, "tiny", default_max_tokens=8, limits=limits), limits=limits) as url:
+        yield url
 
 
 def _post(url, path, body, **kw):
@@ -79,22 +98,25 @@ def test_oversized_bodies_are_refused_as_they_arrive(guarded):
 
     r = httpx.post(f"{url}/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413
-    assert _metric(url, "/v1/completions", 413) >= 2
+    # each counted once its refusal has gone out (after the client may have read it)
+    assert eventually(lambda: _metric(url, "/v1/completions", 413) >= 2)
 
 
 def _raw(url) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=5)
-    return s
+    return socket.create_connection((host, int(port)), timeout=30)  # far beyond what the server takes
 
 
-def test_slow_heads_are_closed_and_slow_bodies_get_408(guarded):
-    url, _ = guarded
+def test_slow_heads_are_closed_and_slow_bodies_get_408(impatient):
+    url = impatient
+    t0 = time.monotonic()  # before connecting: the server's deadline starts later, when it accepts
     s = _raw(url)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # never finishes its head
-    t0 = time.monotonic()
     assert s.recv(1024) == b""  # closed by the server
-    assert 0.4 < time.monotonic() - t0 < 3
+    # at its deadline, not at once: the server starts the clock when it accepts, after t0, so the lower
+    # bound holds on any machine; the upper one leaves 10× the deadline (nothing else of the server's
+    # closes a connection before its first head, so without the deadline recv would wait out its 30 s)
+    assert 0.8 * TIMEOUT_S < time.monotonic() - t0 < 10 * TIMEOUT_S
     s.close()
 
     s = _raw(url)
@@ -105,16 +127,18 @@ def test_slow_heads_are_closed_and_slow_bodies_get_408(guarded):
         reply += chunk
     assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
     s.close()
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
 def test_tokenizing_never_blocks_the_event_loop(guarded, monkeypatch):
     url, scheduler = guarded
     tok = scheduler.gen.tokenizer
     encode = tok.encode_prompt
+    tokenizing, answered, released = threading.Event(), threading.Event(), []
 
-    def slow_encode(*args, **kwargs):
-        time.sleep(1.5)
+    def slow_encode(*args, **kwargs):  # tokenizing goes on until /health has answered
+        tokenizing.set()
+        released.append(answered.wait(60))
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(tok, "encode_prompt", slow_encode)
@@ -122,11 +146,15 @@ def test_tokenizing_never_blocks_the_event_loop(guarded, monkeypatch):
     t = threading.Thread(target=lambda: result.update(r=_post(url, "/v1/completions", {"prompt": PROMPT,
                                                                                        "max_tokens": 2})))
     t.start()
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-    assert time.monotonic() - t0 < 0.5  # answered while the other request was still being tokenized
-    t.join()
+    try:
+        assert tokenizing.wait(30)  # the other request is being tokenized ...
+        # ... and is until /health has answered: the answer came while it was (a tokenizer on the event
+        # loop would keep /health from answering at all, and this get would time out)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    finally:
+        answered.set()
+    t.join(60)
+    assert released == [True]  # the tokenizer was let go by the answer, not by its own timeout
     assert result["r"].status_code == 200
 
 
@@ -276,6 +304,8 @@ def test_engine_errors_are_generic_and_counted(guarded, monkeypatch):
     monkeypatch.setattr(scheduler.gen.tokenizer, "encode_prompt", crash)
     r = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
+    # each counted once its response has gone out (after the client may have read it)
+    assert eventually(lambda: _metric(url, "/v1/completions", 500) >= before + 2)
     assert _metric(url, "/v1/completions", 500) == before + 2
     monkeypatch.undo()
     assert _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200

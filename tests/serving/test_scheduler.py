@@ -5,14 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime.drafters import Drafter
+from specrt.runtime.clock import FakeClock
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tree import Tree
 from specrt.serving.scheduler import Scheduler, SchedulerFull
+from tests.scripted import Script, ScriptedDrafter, paced
+from tests.serving.conftest import Gate
 
 PROMPTS = ["Say hi.", "List three colors, then list them again.", "What is 2+2?", "Write a haiku about rain.",
            "Explain what a cat is.", "Count from 1 to 10."]
+PASS_S = 0.01  # what a target pass costs on a test's fake clock, whatever its shape
 
 
 def _pass_logits(gen: Generator, scheduler: Scheduler, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -48,10 +51,11 @@ def test_batched_pass_equals_single_passes(which, tiny_bundle, real_bundle):
 @pytest.mark.parametrize("drafter", ["plain", "ngram", "draft"])
 def test_served_greedy_equals_single_request_plain(drafter, tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter=drafter, max_seq_len=64, slots=4)
-    scheduler = Scheduler(gen).start()
+    scheduler = Scheduler(gen)
+    ids = [gen.tokenizer.encode_prompt(p, raw=True) for p in PROMPTS]
+    handles = [scheduler.submit(x, 8 + 3 * i) for i, x in enumerate(ids)]  # 6 requests, 4 slots: admission
+    scheduler.start()  # all queued first: four start together, so passes are shared on any machine
     try:
-        ids = [gen.tokenizer.encode_prompt(p, raw=True) for p in PROMPTS]
-        handles = [scheduler.submit(x, 8 + 3 * i) for i, x in enumerate(ids)]  # 6 requests, 4 slots: admission
         results = [h.wait() for h in handles]
     finally:
         scheduler.stop()
@@ -63,11 +67,15 @@ def test_served_greedy_equals_single_request_plain(drafter, tiny_bundle, tiny_re
 
 @pytest.mark.slow
 def test_served_greedy_equals_single_request_on_real_model(real_bundle, real_generator):
-    gen = Generator(real_bundle, drafter="ngram", max_seq_len=256, slots=4)
-    scheduler = Scheduler(gen).start()
+    clock = FakeClock()  # every pass costs the same: the pass plan (hence whether drafts run) is the script's
+    gen = Generator(real_bundle, drafter="ngram", max_seq_len=256, slots=4, clock=clock)
+    gen.target.run_all = paced(gen.target.run_all, clock, PASS_S)
+    scheduler = Scheduler(gen)
+    ids = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:4]]
+    handles = [scheduler.submit(x, 24) for x in ids]
+    scheduler.start()
     try:
-        ids = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:4]]
-        results = [h.wait() for h in [scheduler.submit(x, 24) for x in ids]]
+        results = [h.wait() for h in handles]
     finally:
         scheduler.stop()
     real_generator.use("plain")
@@ -93,17 +101,21 @@ def test_seeded_sampling_is_the_same_batched_or_alone(tiny_bundle):
 
 def test_cancel_frees_the_slot_and_full_engine_refuses(tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
-    scheduler = Scheduler(gen, max_waiting=1).start()
+    scheduler = Scheduler(gen, max_waiting=1)
+    gate = Gate(scheduler, closed=True)
+    gate.allow(1)  # the prompt's pass; its first decode pass waits at the gate
+    scheduler.start()
     try:
         ids = gen.tokenizer.encode_prompt(PROMPTS[0], raw=True)
         long = scheduler.submit(ids, 60 - len(ids))
         next(iter(long))  # admitted: it holds the only slot
-        with scheduler._lock:  # the scheduler waits at the top of its next iteration
-            assert long.result is None and scheduler.running == 1
-            waiting = scheduler.submit(ids, 5)  # queued
-            with pytest.raises(SchedulerFull, match="retry later"):
-                scheduler.submit(ids, 5)
-            long.cancel()
+        assert gate.wait_started(2)  # … and cannot finish while the test acts
+        assert long.result is None and scheduler.running == 1
+        waiting = scheduler.submit(ids, 5)  # queued
+        with pytest.raises(SchedulerFull, match="retry later"):
+            scheduler.submit(ids, 5)
+        long.cancel()
+        gate.open()
         r = long.wait()
         assert r.finish_reason == "cancelled" and len(r.token_ids) < 60 - len(ids)
         assert waiting.wait().token_ids == tiny_reference.generate_ids(ids, 5).token_ids
@@ -170,51 +182,26 @@ def test_every_slot_drafts_like_the_generators_current_drafter(tiny_bundle, tiny
         assert trees and trees[0] == binary, (b, trees[:1])
 
 
-VOCAB = 49152  # the tiny bundle's
-SLOW_DRAFT_S = 0.02  # a wrong draft also costs this much: speculating can only lose
-
-
-class _Scripted(Drafter):
-    """A test drafter. For a prompt in `scripts` ({prompt: (right, greedy continuation)}) it proposes the
-    target's greedy continuation (`right`) or a token the target never picks next, slowly (not `right`)."""
-
-    name = "scripted"
-
-    def __init__(self, scripts: dict[tuple[int, ...], tuple[bool, list[int]]]):
-        self.scripts = scripts
-
-    def propose(self, tokens, max_nodes, max_depth, sampling, rng):
-        import time
-
-        from specrt.runtime.drafters import Proposal
-
-        for prompt, (right, continuation) in self.scripts.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                n = len(tokens) - len(prompt)
-                nodes = continuation[n : n + min(max_nodes, max_depth)]
-                if not right:
-                    time.sleep(SLOW_DRAFT_S)
-                    nodes = [(nodes[0] + 1) % VOCAB, *nodes[1:]] if nodes else []
-                return Proposal(list(nodes), list(range(len(nodes))))  # a chain
-        return Proposal()
-
-    def observe(self, tokens, state=None) -> None:
-        pass
+SLOW_DRAFT_S = 0.02  # a wrong draft also costs this much on the fake clock: speculating can only lose
 
 
 def test_each_slot_adapts_its_own_draft_depth(tiny_bundle, tiny_reference):
     """Two requests share every verify pass: one whose drafts are always accepted, one whose drafts are
     always rejected (and slow). Each slot's controller sees only its own sequence: acceptance near 1 vs
-    near 0, deep drafts vs mostly plain steps. A controller shared between slots would mix the two."""
+    near 0, deep drafts vs mostly plain steps. A controller shared between slots would mix the two. The
+    seconds every choice is made from are the fake clock's: a function of this script alone."""
     right, wrong = (tuple(tiny_reference.tokenizer.encode_prompt(p, raw=True)) for p in PROMPTS[1:3])
     lengths = {right: 40, wrong: 24}
     want = {p: tiny_reference.generate_ids(list(p), n).token_ids for p, n in lengths.items()}
-    scripts = {right: (True, want[right]), wrong: (False, want[wrong])}
-    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2, adaptive=True, num_draft_tokens=4)
+    scripts = {right: Script(want[right]), wrong: Script(want[wrong], right=False, seconds=SLOW_DRAFT_S)}
+    clock = FakeClock()
+    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2, adaptive=True, num_draft_tokens=4,
+                    clock=clock)
     assert gen.slots == 2 and gen.drafter_name == "ngram", gen.notes
+    gen.target.run_all = paced(gen.target.run_all, clock, PASS_S)
     scheduler = Scheduler(gen)
     for slot in scheduler.slots:  # each slot drafts from the script
-        slot.drafter = _Scripted(scripts)
+        slot.drafter = ScriptedDrafter(scripts, clock)
     handles = {p: scheduler.submit(list(p), n) for p, n in lengths.items()}  # slot 0: right, slot 1: wrong
     scheduler.start()
     try:
@@ -226,7 +213,7 @@ def test_each_slot_adapts_its_own_draft_depth(tiny_bundle, tiny_reference):
         assert results[p].token_ids == want[p]
     good, bad = scheduler.slots[0].control, scheduler.slots[1].control
     # below the prior (1/2) only by rejections, above 0.8 only by acceptances: one controller shared by both
-    # could not be both (how often the rejected slot probes, hence how far below, depends on measured time)
+    # could not be both
     assert bad.acceptance()[0] < 0.5 and good.acceptance()[0] > 0.8, (good.summary(), bad.summary())
     assert results[right].stats.accepted > 0 and results[wrong].stats.accepted == 0
     deep, shallow = results[right].stats, results[wrong].stats

@@ -3,7 +3,7 @@ the waiting queue's bound holds under a burst."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import pytest
 from specrt.runtime import sequence
 from specrt.runtime.generate import Generator
 from specrt.serving.scheduler import Scheduler, SchedulerFull
-from tests.serving.conftest import slow_model
+from tests.serving.conftest import HOLD_S, Gate
 
 PROMPT = "The list of colors: red, green, blue, red, green, blue, red, green, blue, red, green, blue, red"
 
@@ -44,15 +44,17 @@ def test_a_long_prompt_interleaves_with_decoding_and_stays_exact(tiny_bundle, ti
     gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2)
     scheduler = Scheduler(gen, max_waiting=4)
     log = _trace_passes(scheduler)
-    slow_model(scheduler, 0.01)
+    short = gen.tokenizer.encode_prompt("red, green,", raw=True)
+    long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
+    assert len(short) <= 8 < 3 * 8 < len(long)
+    gate = Gate(scheduler, closed=True)
+    gate.allow(1)  # a's prompt (one chunk); its first decode pass waits until b is queued
     scheduler.start()
     try:
-        short = gen.tokenizer.encode_prompt("red, green,", raw=True)
-        long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
-        assert len(long) > 3 * 8
         a = scheduler.submit(short, 40)
         next(iter(a))  # a is decoding
         b = scheduler.submit(long, 8)
+        gate.open()
         got_a, got_b = a.wait().token_ids, b.wait().token_ids
     finally:
         scheduler.stop()
@@ -73,7 +75,6 @@ def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, t
     gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=3)
     scheduler = Scheduler(gen, max_waiting=4)
     log = _trace_passes(scheduler)
-    slow_model(scheduler, 0.01)
     finished_kv = {}  # slot 1's cache as its sequence finishes (afterwards it is a free slot again)
     release = scheduler._release
 
@@ -83,16 +84,21 @@ def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, t
         release(slot)
 
     scheduler._release = snapshot
+    short = gen.tokenizer.encode_prompt("red, green,", raw=True)
+    long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
+    a, x, c = (scheduler.submit(short, 45) for _ in range(3))  # slots 0, 1, 2
+    gate = Gate(scheduler, closed=True)
+    # a, x, c each: its prompt's one chunk, then a decode step (one pass: a batch size not measured yet runs
+    # batched, pass_policy.py); the 7th pass waits, the first with all three decoding
+    gate.allow(6)
     scheduler.start()
     try:
-        short = gen.tokenizer.encode_prompt("red, green,", raw=True)
-        long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
-        a, x, c = (scheduler.submit(short, 45) for _ in range(3))
-        for h in (a, x, c):
-            next(iter(h))  # all three decoding, in slots 0, 1, 2
+        assert gate.wait_started(7)
+        assert [s.handle for s in scheduler.slots] == [a, x, c] and all(s.decoding for s in scheduler.slots)
         x.cancel()
+        b = scheduler.submit(long, 8)  # slot 1 again, once x is gone
+        gate.open()
         x.wait()
-        b = scheduler.submit(long, 8)  # slot 1 again
         got_b, got_a = b.wait().token_ids, a.wait().token_ids
         c.wait()
     finally:
@@ -111,29 +117,30 @@ def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, t
 def test_max_waiting_holds_under_a_burst(tiny_bundle):
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
     scheduler = Scheduler(gen, max_waiting=2)
-    slow_model(scheduler, 0.05)  # the first request holds the only slot through the burst
-    make = gen.sequence
+    make, admitting, admit = gen.sequence, threading.Event(), threading.Event()
 
-    def slow_admission(*args, **kwargs):  # widen the moment between leaving the queue and the slot
-        time.sleep(0.3)
+    def held_admission(*args, **kwargs):  # the first request holds the moment between the queue and the slot
+        admitting.set()
+        assert admit.wait(HOLD_S)
         return make(*args, **kwargs)
 
-    gen.sequence = slow_admission
+    gen.sequence = held_admission
     scheduler.start()
     try:
         ids = gen.tokenizer.encode_prompt("red, green,", raw=True)
-        accepted, refused = [], 0
-        for _ in range(30):
+        accepted, refused = [scheduler.submit(ids, 20)], 0
+        assert admitting.wait(HOLD_S)  # it left the queue and claimed the only slot: the burst comes now
+        for _ in range(29):
             try:
                 accepted.append(scheduler.submit(ids, 20))
             except SchedulerFull:
                 refused += 1
-            time.sleep(0.005)
         assert len(accepted) == 1 + 2 and refused == 27  # one slot + two waiting
         assert scheduler.metrics.rejected._value.get() == 27
         for h in accepted:
             h.cancel()
     finally:
+        admit.set()
         scheduler.stop()
 
 
@@ -141,15 +148,15 @@ def test_cancelled_while_prefilling_frees_the_slot(tiny_bundle, tiny_reference, 
     monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
     scheduler = Scheduler(gen, max_waiting=1)
-    slow_model(scheduler, 0.05)
+    gate = Gate(scheduler, closed=True)
+    gate.allow(1)  # the prompt's first chunk; its second waits at the gate
     scheduler.start()
     try:
         long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
         h = scheduler.submit(long, 8)
-        deadline = time.monotonic() + 10
-        while not scheduler.slots[0].prefill and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert gate.wait_started(2) and scheduler.slots[0].prefill  # mid-prompt: more chunks to come
         h.cancel()
+        gate.open()
         assert h.wait().finish_reason == "cancelled" and h.result.token_ids == []
         short = gen.tokenizer.encode_prompt("red, green,", raw=True)
         assert scheduler.submit(short, 6).wait().token_ids == tiny_reference.generate_ids(short, 6).token_ids

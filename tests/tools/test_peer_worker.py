@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from specrt.errors import SpecrtError
 from specrt.tools import peers as peers_mod
 from specrt.tools.peer_worker import PeerWorker, RemoteRun, close_peers, in_workers, workers_of
+from tests.helpers import eventually
 from tests.tools.fake_peers import continuation, fake_peers
 
 ENGINES = ["fake-plain", "fake-lookup", "fake-failing", "fake-buggy", "fake-crashing"]
@@ -31,9 +33,31 @@ def fake(monkeypatch):
     close_peers(peers)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())  # read(2)'s number, where known
+
+
+def thread_activity(pid: int) -> dict[str, tuple]:
+    """Per thread of `pid`: (state, utime + stime in clock ticks, voluntary and involuntary context
+    switches). A thread blocked in the kernel keeps all of these exactly as they are until it wakes."""
+    activity = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        activity[task.name] = (stat[0], int(stat[11]) + int(stat[12]),
+                               int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]))
+    return activity
+
+
+def blocked_reading_stdin(pid: int) -> bool:
+    """Every thread of `pid` sleeps (state S), its main thread inside read(2) on fd 0 where the kernel
+    says which system call it is in (/proc/PID/syscall: number, then arguments)."""
+    if any(state != "S" for state, *_ in thread_activity(pid).values()):
+        return False
+    try:
+        call = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:  # not readable here: the states alone
+        return True
+    return READ_SYSCALL is None or call[:2] == [str(READ_SYSCALL), "0x0"]
 
 
 def test_a_registered_family_runs_in_its_own_process(fake):
@@ -87,11 +111,15 @@ def test_a_killed_worker_raises_a_clear_error(fake):
 
 
 def test_workers_close_and_an_idle_one_sleeps(fake):
+    """Between runs the worker blocks in read(2) on its stdin: every thread asleep in the kernel, and
+    not one CPU tick or context switch more while it has no work (a spinning worker burns ticks, a
+    polling one wakes: a switch each time), however fast or loaded the machine."""
     [worker] = workers_of(fake)
     fake["fake-plain"].run([1, 2], 8)
-    before = cpu_seconds(worker.pid)
-    time.sleep(0.5)
-    assert cpu_seconds(worker.pid) - before < 0.05  # blocked on its stdin, not spinning
+    assert eventually(lambda: blocked_reading_stdin(worker.pid), 60), "not blocked reading its stdin"  # ms, normally
+    before = thread_activity(worker.pid)
+    time.sleep(0.2)  # a window for a poller to wake in; the verdict does not depend on its length
+    assert thread_activity(worker.pid) == before and blocked_reading_stdin(worker.pid), before
     log = worker.log
     close_peers(fake)
     assert worker.proc.returncode == 0 and not log.exists()

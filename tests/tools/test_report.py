@@ -4,6 +4,7 @@ report files (written whole, never half)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.tools import report as report_mod
+from specrt.tools import roofline as roofline_mod
 from specrt.tools.report import row_overhead, stage_breakdown, write_report
 from specrt.tools.roofline import (
     GraphWeights,
@@ -88,9 +90,43 @@ def test_step_bytes_and_the_bound():
     assert bound_tokens_per_s(2.0, 1.0, parts["total"]) == pytest.approx(2e9 / 2140)
 
 
-def test_measure_bandwidth_is_plausible():
-    gb_s = measure_bandwidth(seconds=0.1, size_bytes=64 << 20)
-    assert 0.1 < gb_s < 10000
+class FakeClock:
+    """perf_counter for roofline.measure_bandwidth: the times given, in order; then `tick` s later at
+    each call."""
+
+    def __init__(self, times: list[float], tick: float = 0.0):
+        self.times, self.tick, self.now, self.calls = list(times), tick, 0.0, 0
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        self.now = self.times.pop(0) if self.times else self.now + self.tick
+        return self.now
+
+
+def test_measure_bandwidth_is_bytes_over_the_best_pass(monkeypatch):
+    """The arithmetic on known times: the best (shortest) of the passes, at least 3 of them, passes
+    until `seconds` have gone by; GB = 1e9 bytes."""
+    # calls: the deadline; then per pass its start and end; from the 4th pass on, a deadline check first
+    clock = FakeClock([0.0, 0.0, 0.004, 0.004, 0.006, 0.006, 0.009, 0.5])
+    monkeypatch.setattr(roofline_mod, "time", clock)
+    size = 1 << 20
+    assert measure_bandwidth(seconds=0.1, size_bytes=size) == size / 0.002 / 1e9  # 0.004, 0.002, 0.003 s
+    assert clock.calls == 1 + 3 * 2 + 1  # three passes, then the deadline had gone by
+
+
+def test_measure_bandwidth_stops_after_100_passes(monkeypatch):
+    clock = FakeClock([], tick=0.001)  # 1 ms a call: 100 passes end long before the 1 s deadline
+    monkeypatch.setattr(roofline_mod, "time", clock)
+    size = 1 << 20
+    assert measure_bandwidth(seconds=1.0, size_bytes=size) == pytest.approx(size / 0.001 / 1e9)
+    # 3 passes, 97 more each after a deadline check, and the check that finds 100 done: not one more
+    assert clock.calls == 1 + 3 * 2 + 97 * 3 + 1
+
+
+def test_measure_bandwidth_measures_a_finite_positive_rate():
+    """The real probe, on this machine: no bound on how fast it is."""
+    gb_s = measure_bandwidth(seconds=0.05, size_bytes=16 << 20)
+    assert math.isfinite(gb_s) and gb_s > 0
 
 
 # ── the profile and the report files ──────────────────────────────────────────────────────────
@@ -199,11 +235,16 @@ def small_bundle(tiny_bundle):
     return tiny_bundle
 
 
-def test_bench_report_command_writes_the_report(small_bundle, tmp_path):
+def test_bench_report_command_writes_the_report(small_bundle, tmp_path, monkeypatch):
+    """The command end to end, with the bandwidth probe's answer injected (12.5 GB/s, as if measured):
+    the roofline's arithmetic is checked on known numbers, whatever this machine's speed."""
     from click.testing import CliRunner
 
     from specrt.cli import cli
     from specrt.schema.manifest import Manifest
+
+    probed = []
+    monkeypatch.setattr(roofline_mod, "measure_bandwidth", lambda **kw: probed.append(kw) or 12.5)
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "category": "code", "prompt": "def f(x): return x"}\n'
@@ -218,7 +259,8 @@ def test_bench_report_command_writes_the_report(small_bundle, tmp_path):
     md = (out / "report.md").read_text()
     assert all(f"| {e} |" in md for e in ("plain", "ngram", "draft"))
     roof = json.loads((out / "report.json").read_text())["roofline"]
-    assert 0.1 < roof["bandwidth_gb_s"] < 10000
+    assert len(probed) == 1 and probed[0]["threads"] >= 1  # probed once, with the benchmark's threads
+    assert roof["bandwidth_gb_s"] == 12.5 and "12.50 GB/s" in md
     manifest = Manifest.load(small_bundle)
     cfg = manifest.target.config
     assert roof["target"]["kv_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -232,5 +274,11 @@ def test_bench_report_command_writes_the_report(small_bundle, tmp_path):
     assert eng["draft"]["parts"]["drafter_weights"] == 5 * draft  # k = 5 passes of the draft model
     for e in eng.values():
         assert e["bytes_per_step"] > roof["target"]["streamed_bytes"]
-        assert e["fraction_of_bound"] == pytest.approx(e["measured_tokens_per_s"] / e["bound_tokens_per_s"],
-                                                       rel=1e-2)
+        # bound = tokens/step × bandwidth ÷ bytes/step (tokens/step rounded to 4 places, the bound to 2)
+        assert e["bound_tokens_per_s"] == pytest.approx(e["tokens_per_step"] * 12.5e9 / e["bytes_per_step"],
+                                                        rel=1e-4, abs=0.005)
+        # fraction = measured ÷ bound, from the unrounded two (each rounded to 2 places) then to 4 places
+        measured, bound = e["measured_tokens_per_s"], e["bound_tokens_per_s"]
+        slack = 5e-5 + 0.005 / bound + measured * 0.005 / (bound * (bound - 0.005))
+        assert e["fraction_of_bound"] == pytest.approx(measured / bound, abs=slack)
+        assert e["measured_gb_s"] == pytest.approx(e["fraction_of_bound"] * 12.5, rel=1e-2, abs=0.01)
