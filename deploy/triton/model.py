@@ -8,7 +8,7 @@ the bundle named by config.pbtxt parameter `bundle` (relative to this file) with
 and answers one request at a time:
 
     text_input  TYPE_STRING [1]            the prompt (chat template applied unless raw=true)
-    max_tokens  TYPE_INT64  [1] optional   new tokens, 1 to capacity - 1 (default: parameter max_tokens)
+    max_tokens  request parameter, int     new tokens, 1 to capacity - 1 (default: parameter max_tokens)
     temperature TYPE_FP32   [1] optional   0 = greedy (default)
     top_p       TYPE_FP32   [1] optional   1 = off
     top_k       TYPE_INT64  [1] optional   0 = off
@@ -22,16 +22,27 @@ text piece (`text_output` only), then a final response (flag COMPLETE_FINAL) wit
 and every other output; the pieces concatenate to the unary `text_output`.
 
 Each input must have its declared type's kind (an integer count, a float, a bool, text): a tensor of
-another kind (a float max_tokens, an int temperature) is refused naming the input, never converted.
+another kind (a float top_k, an int temperature) is refused naming the input, never converted.
 Counts are INT64 because Triton wraps a JSON number into the declared type; values out of range are
 refused as sent (max_tokens 4294967301, not the 5 an INT32 made of it).
+
+max_tokens is a request parameter, not a tensor: for a declared input tritonserver converts the
+generate endpoint's JSON value itself and answers HTTP 500 to one of another JSON type ("12", 12.5,
+true, 1e3, 2**63 for an INT64) before this code runs. A generate key that names no input arrives in
+request.parameters() as it was sent (a string, an integer, a bool, or a double: 1e3 as 1000.0, an
+integer past int64 as a double), so this code refuses every non-integer with INVALID_ARG (HTTP 400)
+naming max_tokens. KServe /infer and gRPC requests send it the same way: `"parameters": {"max_tokens":
+64}`. A max_tokens tensor is still read where a repository declares one.
 """
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from specrt.errors import SpecrtError
 
 DEFAULTS = {"bundle": "bundle", "drafter": "", "max_seq_len": "", "threads": "2", "num_draft_tokens": "5",
             "max_tokens": "128"}
@@ -67,6 +78,25 @@ def _scalar(request, name: str, default):
         raise ValueError(f"input {name} has {values.size} values: send one (shape [1])")
     value = values[0]
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+def _request_parameter(request, name: str):
+    """Request parameter `name` as sent (str, int, bool or float), or None when the request has none."""
+    parameters = getattr(request, "parameters", None)
+    given = json.loads(parameters() or "{}") if parameters is not None else {}
+    return given.get(name) if isinstance(given, dict) else None
+
+
+def _count(name: str, value, capacity: int) -> int:
+    """`value` as a count of new tokens, 1 to capacity - 1; SpecrtError naming `name` otherwise."""
+    example = min(64, capacity - 1)
+    if isinstance(value, bool) or not isinstance(value, int):  # "12", 12.5, true, 1e3 (a float): refused
+        raise SpecrtError(f"{name} {json.dumps(value)} is not an integer: send a whole number from 1 to "
+                          f'{capacity - 1} (a JSON integer, e.g. "{name}": {example})')
+    if not 1 <= value < capacity:  # as sent: never wrapped
+        raise SpecrtError(f"{name} {value} is out of range: 1 to {capacity - 1} (this model's context is "
+                          f"{capacity} tokens, the prompt included)")
+    return value
 
 
 def _tensor(name: str, value, dtype) -> "pb_utils.Tensor":
@@ -111,8 +141,8 @@ class TritonPythonModel:
         return [self._respond(request) for request in requests]
 
     def _arguments(self, request) -> dict:
-        """generate()'s keyword arguments from the request's tensors; SpecrtError / ValueError when bad."""
-        from specrt.errors import SpecrtError
+        """generate()'s keyword arguments from the request's tensors and parameters; SpecrtError /
+        ValueError when bad."""
         from specrt.runtime.sampling import SamplingParams
 
         prompt = _scalar(request, "text_input", None)
@@ -122,29 +152,26 @@ class TritonPythonModel:
                                   top_k=_scalar(request, "top_k", 0),
                                   top_p=_scalar(request, "top_p", 1.0),
                                   seed=_scalar(request, "seed", None))
-        max_tokens = _scalar(request, "max_tokens", None)
+        max_tokens = _scalar(request, "max_tokens", None)  # a tensor, where a repository declares one
         if max_tokens is None:
-            max_tokens = self.max_tokens
-        elif not 1 <= max_tokens < self.generator.capacity:  # as sent: INT64, never wrapped
-            raise SpecrtError(f"max_tokens {max_tokens} is out of range: 1 to {self.generator.capacity - 1} (this "
-                              f"model's context is {self.generator.capacity} tokens, the prompt included)")
+            max_tokens = _request_parameter(request, "max_tokens")
+        max_tokens = self.max_tokens if max_tokens is None else _count("max_tokens", max_tokens,
+                                                                        self.generator.capacity)
         return {"prompt": prompt, "max_new_tokens": max_tokens, "raw": bool(_scalar(request, "raw", False)),
                 "sampling": sampling}
 
     def _respond(self, request):
-        from specrt.errors import SpecrtError
-
+        started = time.monotonic()
         try:
             result = self.generator.generate(**self._arguments(request))
         except (SpecrtError, ValueError, TypeError) as e:  # a bad request fails alone, not the batch
             return pb_utils.InferenceResponse(output_tensors=[], error=_invalid(str(e)))
-        return pb_utils.InferenceResponse(output_tensors=self._outputs(result, result.text))
+        return pb_utils.InferenceResponse(output_tensors=self._outputs(result, result.text, started))
 
     def _stream(self, request) -> None:
-        from specrt.errors import SpecrtError
-
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        started = time.monotonic()
         try:
             stream = self.generator.iter_text(**self._arguments(request))
             for piece in stream:
@@ -152,11 +179,16 @@ class TritonPythonModel:
         except (SpecrtError, ValueError, TypeError) as e:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_invalid(str(e))), flags=final)
             return
-        sender.send(pb_utils.InferenceResponse(output_tensors=self._outputs(stream.result, "")), flags=final)
+        sender.send(pb_utils.InferenceResponse(output_tensors=self._outputs(stream.result, "", started)),
+                    flags=final)
 
-    def _outputs(self, result, text: str) -> list:
+    def _outputs(self, result, text: str, started: float) -> list:
         stats = result.stats
-        info = {"drafter": self.generator.drafter_name, "instance": self.instance, **stats.to_dict()}
+        # `executed`: when this instance began and ended the request, in seconds of the machine's
+        # CLOCK_MONOTONIC, one clock for every process of the server: requests whose spans intersect
+        # ran at the same time (on different instances)
+        info = {"drafter": self.generator.drafter_name, "instance": self.instance,
+                "executed": [started, time.monotonic()], **stats.to_dict()}
         return [
             _tensor("text_output", text, np.object_),
             _tensor("finish_reason", result.finish_reason, np.object_),

@@ -49,11 +49,14 @@ TRITON_DTYPES = {
 }
 
 # the Python model's request / response tensors: (name, data type, optional). Counts are INT64: Triton
-# converts a JSON number to the declared type by wrapping, so an INT32 max_tokens 4294967301 reached the
-# model as 5; at INT64 it arrives as sent and model.py refuses it naming that value.
-GENERATE_INPUTS = (("text_input", "TYPE_STRING", False), ("max_tokens", "TYPE_INT64", True),
-                   ("temperature", "TYPE_FP32", True), ("top_p", "TYPE_FP32", True), ("top_k", "TYPE_INT64", True),
-                   ("seed", "TYPE_INT64", True), ("raw", "TYPE_BOOL", True))
+# converts a JSON number to the declared type by wrapping, so an INT32 count 4294967301 reached the
+# model as 5; at INT64 it arrives as sent and model.py refuses it naming that value. max_tokens is no
+# tensor but a request parameter: for a declared input tritonserver parses the generate endpoint's JSON
+# value itself and answered HTTP 500 to "12", 12.5, true, 1e3 or 2**63 before model.py ran; a key that
+# names no input reaches model.py as sent, which refuses a non-integer with HTTP 400 naming max_tokens.
+GENERATE_INPUTS = (("text_input", "TYPE_STRING", False), ("temperature", "TYPE_FP32", True),
+                   ("top_p", "TYPE_FP32", True), ("top_k", "TYPE_INT64", True), ("seed", "TYPE_INT64", True),
+                   ("raw", "TYPE_BOOL", True))
 GENERATE_OUTPUTS = (("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"), ("tokens", "TYPE_INT32"),
                     ("mean_accepted_length", "TYPE_FP32"), ("acceptance_rate", "TYPE_FP32"),
                     ("tokens_per_s", "TYPE_FP32"), ("stats_json", "TYPE_STRING"))
@@ -288,12 +291,19 @@ KV cache in and out) for clients that drive the loop themselves; `specrt_generat
 | input | type | |
 |---|---|---|
 | `text_input` | TYPE_STRING [1] | the prompt (the model's chat template is applied unless `raw`) |
-| `max_tokens` | TYPE_INT64 [1] | optional: new tokens (1 to the context's size − 1) |
+| `max_tokens` | request parameter, integer | optional: new tokens (1 to the context's size − 1; default {max_tokens}) |
 | `temperature` | TYPE_FP32 [1] | optional: 0 = greedy (default) |
 | `top_p` | TYPE_FP32 [1] | optional: 1 = off |
 | `top_k` | TYPE_INT64 [1] | optional: 0 = off |
 | `seed` | TYPE_INT64 [1] | optional: same seed, same output |
 | `raw` | TYPE_BOOL [1] | optional: skip the chat template |
+
+`max_tokens` is a request parameter, not a tensor: the generate endpoints pass it on as sent, so a value
+that is not an integer (`"12"`, `12.5`, `true`, `1e3`) gets HTTP 400 naming it. On `/infer` and gRPC
+send it in the request's `parameters` (`"parameters": {{"max_tokens": 64}}`); a `max_tokens` tensor is
+refused by tritonserver (`unexpected inference input 'max_tokens'`). The other inputs are tensors:
+on the generate endpoints tritonserver itself converts their JSON values, and answers a value of
+another JSON type (`"temperature": "0.5"`, `"top_k": 2.5`) with HTTP 500 before the model runs.
 
 Outputs: `text_output`, `finish_reason` ("stop" or "length"), `tokens` (new tokens),
 `mean_accepted_length` (tokens per target pass), `acceptance_rate`, `tokens_per_s`, `stats_json`
@@ -314,12 +324,11 @@ curl -sN localhost:8000/v2/models/specrt_generate_stream/generate_stream \\
   -d '{{"text_input": "What is speculative decoding?", "max_tokens": 64}}'
 ```
 
-KServe v2 infer endpoint (HTTP; gRPC takes the same tensors):
+KServe v2 infer endpoint (HTTP; gRPC takes the same tensors and parameters):
 
 ```
-curl -s localhost:8000/v2/models/specrt_generate/infer -d '{{"inputs": [
-  {{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["What is speculative decoding?"]}},
-  {{"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": [64]}}]}}'
+curl -s localhost:8000/v2/models/specrt_generate/infer -d '{{"parameters": {{"max_tokens": 64}}, "inputs": [
+  {{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["What is speculative decoding?"]}}]}}'
 ```
 """
 

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -106,19 +105,27 @@ def test_greedy_equals_plain_decoding(server, tiny_reference):
         assert sampled.status_code == 200, sampled.text
         assert_equals_reference(sampled.json(), reference)
 
-    infer = httpx.post(f"{url}/v2/models/{GENERATE_MODEL}/infer", timeout=120, json={"inputs": [
-        {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]},
-        {"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": [MAX_TOKENS]}]})
+    prompt = {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}
+    infer = httpx.post(f"{url}/v2/models/{GENERATE_MODEL}/infer", timeout=120,
+                       json={"parameters": {"max_tokens": MAX_TOKENS}, "inputs": [prompt]})
     assert infer.status_code == 200, infer.text
     outputs = {o["name"]: o["data"][0] for o in infer.json()["outputs"]}
     assert outputs["text_output"] == reference.text and outputs["tokens"] == len(reference.token_ids)
+    # max_tokens is a request parameter (model.py), not a tensor: tritonserver refuses one, naming it
+    tensor = httpx.post(f"{url}/v2/models/{GENERATE_MODEL}/infer", timeout=120, json={"inputs": [
+        prompt, {"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": [MAX_TOKENS]}]})
+    assert tensor.status_code == 400 and "unexpected inference input 'max_tokens'" in tensor.json()["error"], \
+        tensor.text
 
 
 @pytest.mark.triton_server
 @needs_tritonserver
 def test_two_instances_serve_concurrent_requests(server, tiny_reference):
-    """6 requests sent at once: every answer is the plain reference, and both instances served some
-    (one instance would serve them one after another)."""
+    """6 requests sent at once: every answer is the plain reference, both instances served some, and
+    the server's own record proves two of them ran at the same time on different instances: each
+    response's `executed` span is when its instance began and ended it, on the machine's one
+    CLOCK_MONOTONIC; intersecting spans on two instances are concurrent execution, however fast or
+    loaded the machine (one instance, or two taking turns, would leave no such pair)."""
     url, repo, _ = server
     assert "count: 2" in (repo / GENERATE_MODEL / "config.pbtxt").read_text()
     prompts = [PROMPT, OTHER] * 3
@@ -128,23 +135,24 @@ def test_two_instances_serve_concurrent_requests(server, tiny_reference):
 
     def call(i: int) -> None:
         start.wait()
-        t0 = time.perf_counter()
-        response = generate(url, prompts[i])
-        results[i] = (response, t0, time.perf_counter())
+        results[i] = generate(url, prompts[i])
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    instances = set()
-    for prompt, (response, _, _) in zip(prompts, results, strict=True):
-        assert response.status_code == 200, response.text
+        t.join()  # each request has its own 120 s timeout
+    spans = []
+    for prompt, response in zip(prompts, results, strict=True):
+        assert response is not None and response.status_code == 200, response and response.text
         assert_equals_reference(response.json(), references[prompt])
-        instances.add(json.loads(response.json()["stats_json"])["instance"])
-    assert instances == {f"{GENERATE_MODEL}_0_0", f"{GENERATE_MODEL}_0_1"}, instances
-    # both instances' requests were in flight at the same time (client-side windows)
-    assert max(t0 for _, t0, _ in results) < min(t1 for _, _, t1 in results)
+        stats = json.loads(response.json()["stats_json"])
+        began, ended = stats["executed"]
+        assert began <= ended, stats
+        spans.append((stats["instance"], began, ended))
+    assert {s[0] for s in spans} == {f"{GENERATE_MODEL}_0_0", f"{GENERATE_MODEL}_0_1"}, spans
+    concurrent = [(a, b) for a in spans for b in spans if a[0] < b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert concurrent, f"no two requests ran at the same time on different instances: {spans}"
 
 
 @pytest.mark.triton_server
@@ -171,6 +179,38 @@ def test_bad_requests_get_4xx_and_the_server_lives(server, tiny_reference):
     good = generate(url, PROMPT)
     assert good.status_code == 200, good.text
     assert_equals_reference(good.json(), tiny_reference.generate(PROMPT, MAX_TOKENS))
+
+
+# JSON literals that are not an integer max_tokens, and how the error shows each (tritonserver hands the
+# model 1e3 as 1000.0 and an integer past int64 as a double). Declared as a TYPE_INT64 input, each got
+# tritonserver's own HTTP 500 ("Unable to parse 'data': attempt to access JSON non-signed-integer as
+# signed-integer") before model.py ran.
+NOT_INTEGERS = {'"12"': '"12"', "12.5": "12.5", "true": "true", "1e3": "1000.0",
+                str(2**63): "9.223372036854776e+18"}
+
+
+@pytest.mark.triton_server
+@needs_tritonserver
+@pytest.mark.parametrize("model", [GENERATE_MODEL, STREAM_MODEL])
+def test_a_non_integer_max_tokens_gets_400_naming_the_field(server, model):
+    url, _, _ = server
+    endpoint = "generate" if model == GENERATE_MODEL else "generate_stream"
+    got = {}
+    for literal in NOT_INTEGERS:
+        body = f'{{"text_input": {json.dumps(PROMPT)}, "max_tokens": {literal}}}'.encode()
+        response = httpx.post(f"{url}/v2/models/{model}/{endpoint}", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+        text = response.text
+        if endpoint == "generate_stream" and text.startswith("data: "):  # one event: the error
+            text = "".join(line[len("data: "):] for line in text.splitlines() if line.startswith("data: "))
+        got[literal] = (response.status_code, text)
+    expected = {literal: (400, f'max_tokens {shown} is not an integer: send a whole number from 1 to '
+                               f'{MAX_SEQ_LEN - 1} (a JSON integer, e.g. "max_tokens": {MAX_SEQ_LEN - 1})')
+                for literal, shown in NOT_INTEGERS.items()}
+    assert {k: (status, json.loads(text).get("error")) for k, (status, text) in got.items()} == expected, got
+    if model == GENERATE_MODEL:  # an integer still works (streamed: test_stream_concatenates_to_the_unary_output)
+        integer = generate(url, PROMPT, max_tokens=3)
+        assert integer.status_code == 200 and integer.json()["tokens"] == 3, integer.text
 
 
 @pytest.mark.triton_server
