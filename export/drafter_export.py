@@ -58,11 +58,22 @@ def feature_parity(module, path: Path, prompt_len: int = 8, mask_rows: int = 0) 
                        (prompt_len, prompt_len + 3, tree)):
         pos, past = torch.arange(a, b)[None], torch.tensor([a])
         want_logits, want_out = module.step(ids[:, a:b], hidden[:, a:b], pos, past, mask[None], kv)
+        embeds = module.embed_tokens(ids[:, a:b].clamp(min=0)).detach().numpy()  # the target's rows
         got_logits, got_out = dec.run(ids[:, a:b].numpy(), pos.numpy(), past.numpy(), mask[None].numpy(),
-                                      np.arange(b - a)[None], hidden_in=hidden[:, a:b].numpy())
+                                      np.arange(b - a)[None], hidden_in=hidden[:, a:b].numpy(), inputs_embeds=embeds)
         for got, want in ((got_logits, want_logits.numpy()), (got_out, want_out.numpy())):
             worst = max(worst, float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max())))
     return worst
+
+
+def vocab_ids_entry(ids, tmp: Path, role: str) -> dict:
+    """ROLE/vocab_ids.npy (draft id -> target id) and the manifest entry's `vocab_ids` naming it; {} where
+    `ids` is None (the head covers the target's whole vocabulary)."""
+    if ids is None:
+        return {}
+    (tmp / role).mkdir(parents=True, exist_ok=True)
+    np.save(tmp / role / "vocab_ids.npy", np.asarray(ids, dtype=np.int64))
+    return {"vocab_ids": f"{role}/vocab_ids.npy"}
 
 
 def session_parity(path: Path, feeds: dict, want: torch.Tensor) -> float:

@@ -37,13 +37,16 @@ def _problem(path: Path) -> str | None:
             header = f.read(n) if 1 < n <= min(MAX_HEADER, size - 8) else b""
     except OSError as e:
         return f"cannot read it: {e.strerror}"
+    meta = None
+    try:
+        meta = json.loads(header) if header else None
+    except ValueError:  # UnicodeDecodeError is a ValueError too
+        pass
+    if isinstance(meta, dict):  # a valid header first: its length's low byte may well be 0x80, a pickle's mark
+        return None
     known = next((what for magic, what in FORMATS if head.startswith(magic)), None)
     if known:
         return f"it is {known}"
     if not header:
         return f"{size} bytes, no safetensors header" if size >= 8 else f"only {size} bytes"
-    try:
-        meta = json.loads(header)
-    except ValueError:  # UnicodeDecodeError is a ValueError too
-        return "its header is not JSON"
-    return None if isinstance(meta, dict) else "its header is not a JSON object"
+    return "its header is not a JSON object" if meta is not None else "its header is not JSON"

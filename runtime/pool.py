@@ -59,7 +59,8 @@ class DrafterPool:
         """A fresh instance (its own caches) with these settings; (drafter, tree shape)."""
         shape = self.settings.shape_for(drafter, tree, self.model.manifest)
         m = self.model
-        ctx = DrafterContext(m.bundle, m.manifest, m.capacity, m.threads, shape, dict(self.settings.drafter_options))
+        ctx = DrafterContext(m.bundle, m.manifest, m.capacity, m.threads, shape, dict(self.settings.drafter_options),
+                             m.backend)
         return make_drafter(drafter, ctx), shape
 
     def get(self, key: Key) -> tuple[Drafter, Tree]:

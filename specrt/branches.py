@@ -44,6 +44,9 @@ BRANCHES: dict[str, Branch] = {b.name: b for b in (
            "torch.backends.quantized.engine as torch sets it for this CPU (x86 on x86-64)"),
     Branch("native_kernel", "SPECRT_NATIVE_KERNEL", ("scalar", "avx2", "avx512vnni"),
            "the fastest kernel of the native backend this CPU executes (engines/native/library.py)"),
+    Branch("drafter_layers", "SPECRT_DRAFTER_LAYERS", ("ort", "native"),
+           "native where the target runs on the native backend and the layer is an int4 EAGLE-3 layer; else "
+           "ort (runtime/drafters/features.py)"),
 )}
 
 

@@ -51,6 +51,7 @@ def build(cfg, target: DecoderLM, dec: DecoderConfig | None = None):
 
 
 SAVE_DTYPES = {"fp32": "float32", "fp16": "float16"}
+HEAD_VOCAB = "head_vocab"  # checkpoint tensor: the draft vocabulary of a head over the target's (sorted ids)
 
 
 def save(module, folder: Path, dtype: str = "fp32") -> None:
@@ -67,6 +68,8 @@ def save(module, folder: Path, dtype: str = "fp32") -> None:
     with atomic_dir(Path(folder)) as tmp:
         state = {k: (v.to(want) if v.is_floating_point() else v).detach().contiguous()
                  for k, v in module.trainable_state().items()}
+        if getattr(module, "head_vocab", None) is not None:
+            state[HEAD_VOCAB] = module.head_vocab.contiguous()
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "kind": module.cfg.kind})
         meta = {**asdict(module.cfg), "decoder": module.dec.to_dict()}  # the dims it was made for
         (tmp / CONFIG).write_text(json.dumps(meta, indent=2))
@@ -101,7 +104,11 @@ def load(folder: Path, target: DecoderLM):
     if not weights.is_file():
         raise SpecrtError(f"{weights} is missing: the drafter checkpoint is incomplete; train or copy it again")
     check_safetensors(weights, "train or copy the checkpoint again")
-    load_state(module, load_file(weights), weights)
+    state = load_file(weights)
+    vocab = state.pop(HEAD_VOCAB, None)
+    load_state(module, state, weights)
+    if vocab is not None:
+        module.set_head_vocab(check_head_vocab(vocab, target.cfg.vocab_size, weights))
     if hasattr(module, "attach_head"):  # a head sliced from the target once the draft vocabulary is loaded
         module.attach_head(target)
     return module.eval()
@@ -117,6 +124,19 @@ def load_state(module, state: dict, source) -> None:
         if tuple(v.shape) != tuple(own[k].shape):
             raise SpecrtError(f"{source}: {k} has shape {tuple(v.shape)}, this target needs {tuple(own[k].shape)}")
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+
+
+def check_head_vocab(ids, vocab_size: int, source):
+    """`ids` as a draft vocabulary of a `vocab_size` target: distinct target ids, ascending."""
+    import torch
+
+    ok = ids.dim() == 1 and len(ids) > 0 and not ids.is_floating_point()
+    if ok:
+        ok = bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < vocab_size
+    if not ok:
+        raise SpecrtError(f"{source}: {HEAD_VOCAB} must list distinct target ids 0..{vocab_size - 1} in ascending "
+                          "order: train or copy the checkpoint again")
+    return ids.to(torch.long)
 
 
 def check_target(dec: DecoderConfig, target: DecoderConfig, source) -> None:

@@ -37,6 +37,18 @@ class FrozenTargetWeights(nn.Module):
     """Holds the target's embedding and LM head (frozen) for a drafter that shares them."""
 
     shares_head = False
+    # the draft vocabulary (sorted target ids) the exported head computes; None: the whole vocabulary
+    head_vocab: torch.Tensor | None = None
+
+    def set_head_vocab(self, ids) -> None:
+        """Export only these target ids' rows of the LM head (`head_rows`): the graph's logits cover the draft
+        vocabulary and the runtime maps a draft id back through `vocab_ids.npy`. The target verifies every
+        token, so a smaller head changes what is proposed, never what is output."""
+        self.head_vocab = None if ids is None else torch.as_tensor(ids, dtype=torch.long)
+
+    def head_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [V, H]'s rows of the draft vocabulary."""
+        return weight if self.head_vocab is None else weight[self.head_vocab]
 
     def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
         self.shares_head = lm_head is not None
@@ -74,7 +86,8 @@ class FeatureDrafter(FrozenTargetWeights):
         return None
 
     def head(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.head_input(out))
+        """Logits over the draft vocabulary (`head_rows`), as the graph computes them."""
+        return nn.functional.linear(self.head_input(out), self.head_rows(self.lm_head.weight))
 
     def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         x = residual + attn_out

@@ -57,12 +57,12 @@ class BlockHead(Eagle3Head):
     def graph_mix(self, fg, ids: str, hidden: str):
         """EAGLE-3's mix, with mask rows (id < 0) reading the learned mask embedding and feature:
 
-            masked = ids < 0 ─► Where(masked, mask_embed, Gather(embed, max(ids, 0)))
+            masked = ids < 0 ─► Where(masked, mask_embed, inputs_embeds)   (the target's rows of max(ids, 0))
                              └► Where(masked, mask_hidden, hidden_in)
         """
         g = fg.named("midlayer").g
         masked = g.op("Unsqueeze", g.op("Less", ids, g.const([0])), g.const([-1]), name="mask_rows")
-        e = g.op("Where", masked, fg.weight_of("mask_embed", self.mask_embed), fg.embed(g.op("Max", ids, g.const([0]))))
+        e = g.op("Where", masked, fg.weight_of("mask_embed", self.mask_embed), fg.embed(ids))
         h = g.op("Where", masked, fg.weight_of("mask_hidden", self.mask_hidden), hidden)
         e = fg.norm(e, self.midlayer.input_layernorm, "input_layernorm")
         return g.op("Concat", e, fg.norm(h, self.midlayer.hidden_norm, "hidden_norm"), axis=-1), h

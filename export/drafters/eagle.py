@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.export.drafter_export import feature_parity, save_graph
+from specrt.export.drafter_export import feature_parity, save_graph, vocab_ids_entry
 from specrt.export.drafters import make_config
 from specrt.export.drafters.base import FeatureDrafter, one_layer
 from specrt.export.drafters.graphs import feature_graph
@@ -77,10 +77,12 @@ class EagleHead(FeatureDrafter):
 
 
 def eagle_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
-    """eagle/layer.onnx: the one decoder layer over (token, feature)."""
+    """eagle/layer.onnx: the one decoder layer over (token, feature), and eagle/vocab_ids.npy where its head
+    covers a draft vocabulary."""
     graphs = {"eagle": save_graph(feature_graph(module, "eagle"), tmp / "eagle" / "layer.onnx", "eagle", module.dec,
                                   source)}
-    return graphs, {}, {"eagle": feature_parity(module, tmp / graphs["eagle"].file)} if check_parity else {}
+    parity = {"eagle": feature_parity(module, tmp / graphs["eagle"].file)} if check_parity else {}
+    return graphs, vocab_ids_entry(module.head_vocab, tmp, "eagle"), parity
 
 
 class EagleObjective(FeatureObjective):

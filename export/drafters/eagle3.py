@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from specrt.errors import SpecrtError
 from specrt.export.decoder_graph import _np
-from specrt.export.drafter_export import feature_parity, save_graph, session_parity
+from specrt.export.drafter_export import feature_parity, save_graph, session_parity, vocab_ids_entry
 from specrt.export.drafters import make_config
 from specrt.export.drafters.base import FeatureDrafter, default_taps, one_layer
 from specrt.export.drafters.graphs import feature_graph
@@ -158,14 +157,14 @@ def fused_layer_graphs(module, tmp: Path, source: str, check_parity: bool, role:
     folder, fuse = tmp / role, f"{role}_fuse"
     graphs = {role: save_graph(feature_graph(module, role), folder / "layer.onnx", role, module.dec, source),
               fuse: save_graph(fuse_graph(module, fuse), folder / "fuse.onnx", fuse, target_cfg, source)}
-    np.save(folder / "vocab_ids.npy", module.target_ids().numpy().astype(np.int64))
+    vocab = vocab_ids_entry(module.target_ids().numpy(), tmp, role)
     parity = {}
     if check_parity:
         a = torch.randn(1, 3, module.fc.in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             parity[fuse] = session_parity(tmp / graphs[fuse].file, {"aux_hidden_states": a}, module.fuse(a))
         parity[role] = max(feature_parity(module, tmp / graphs[role].file, mask_rows=m) for m in {0, mask_rows})
-    return graphs, {"vocab_ids": f"{role}/vocab_ids.npy", "taps": list(module.cfg.taps)}, parity
+    return graphs, {**vocab, "taps": list(module.cfg.taps)}, parity
 
 
 def eagle3_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:

@@ -1,8 +1,13 @@
 """ONNX graph of a feature drafter's layer, built with the target's layer code (same conventions).
 
-    feature  input_ids, hidden_in [B,T,H], position_ids, past_len, tree_mask, logits_index,
-             past_key.0 / past_value.0 ─► logits [B,R,V'], hidden_states (the layer output
-             [B,T,H], fed back for drafted rows), present_key.0 / present_value.0 (in place)
+    feature  input_ids, inputs_embeds [B,T,H], hidden_in [B,T,H], position_ids, past_len, tree_mask,
+             logits_index, past_key.0 / past_value.0 ─► logits [B,R,V'], hidden_states (the layer
+             output [B,T,H], fed back for drafted rows), present_key.0 / present_value.0 (in place)
+
+`inputs_embeds` is the target's embedding row of each input id (of max(id, 0): the block drafter's mask
+rows read their own embedding): a drafter's embedding is always the target's, frozen (export/drafters/
+base.py), so the layer stores no copy of the table; the runtime gathers rows from the target graph's own
+(runtime/drafters/features.py).
 
 Kind-specific pieces (how token and feature are mixed, which norm the head reads) are the module's
 own: `FeatureDrafter.graph_mix` and `graph_head_norm`, next to `mix` and `head_input` in the kind's
@@ -25,6 +30,7 @@ class FeatureGraph(_DecoderGraph):
     def __init__(self, module, name: str):
         self.m, self.cfg, self.g = module, module.dec, GraphBuilder(name)
         self._prefix = ""
+        self._embeds = False
 
     def named(self, prefix: str) -> FeatureGraph:
         """Weights written next are named `prefix.NAME` (the module's parameter names)."""
@@ -39,8 +45,12 @@ class FeatureGraph(_DecoderGraph):
         return self.rms_norm(x, *_norm(module), name)
 
     def embed(self, input_ids: str) -> str:
-        return self.g.op("Gather", self.weight_of("embed_tokens.weight", self.m.embed_tokens.weight), input_ids,
-                         name="embed_tokens")
+        """The target's embedding of each id (ids below 0 read row 0; a mix replaces those rows): the
+        `inputs_embeds` input, declared once."""
+        if not self._embeds:
+            self.g.input("inputs_embeds", FLOAT, ["batch", "tokens", self.cfg.hidden_size])
+            self._embeds = True
+        return "inputs_embeds"
 
     def build(self):
         g, m, cfg = self.g, self.m, self.cfg
@@ -58,7 +68,8 @@ class FeatureGraph(_DecoderGraph):
         if norm is not None:
             self._prefix = "head"
             normed = self.rms_norm(out, *_norm(norm), "head_norm")
-        self.lm_head(normed, logits_index, self.weight_of("lm_head.weight", m.lm_head.weight), m.lm_head.weight.shape[0])
+        head = m.head_rows(m.lm_head.weight)  # the draft vocabulary's rows
+        self.lm_head(normed, logits_index, self.weight_of("lm_head.weight", head), head.shape[0])
         g.output(out, "hidden_states", FLOAT, ["batch", "tokens", cfg.hidden_size])
         self.kv_outputs(1)
         return g.model(doc=f"specrt {type(m).__name__} drafter layer")

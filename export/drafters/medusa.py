@@ -29,7 +29,7 @@ from torch import nn
 
 from specrt.errors import SpecrtError
 from specrt.export.decoder_graph import _np
-from specrt.export.drafter_export import save_graph, session_parity
+from specrt.export.drafter_export import save_graph, session_parity, vocab_ids_entry
 from specrt.export.drafters import make_config
 from specrt.export.drafters.base import FrozenTargetWeights
 from specrt.export.drafters.public import CONFIG, MODEL_FILES, PublicLayout, build_for, fill, ignored
@@ -78,12 +78,16 @@ class MedusaHeads(FrozenTargetWeights):
         n = self.cfg.num_layers
         return torch.stack([head[:n](hidden) for head in self.medusa_head], -2)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> logits [..., K, V]."""
-        feats = self.features(hidden)
+    def head_weights(self) -> list[torch.Tensor]:
+        """Each Medusa head's LM-head rows [V', H] of the draft vocabulary (`head_rows`)."""
         if self.cfg.own_heads:
-            return torch.stack([head[-1](feats[..., k, :]) for k, head in enumerate(self.medusa_head)], -2)
-        return self.lm_head(feats)
+            return [self.head_rows(head[-1].weight) for head in self.medusa_head]
+        return [self.head_rows(self.lm_head.weight)] * self.cfg.num_heads
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> logits [..., K, V'] over the draft vocabulary, as the graph computes them."""
+        feats = self.features(hidden)
+        return torch.stack([F.linear(feats[..., k, :], w) for k, w in enumerate(self.head_weights())], -2)
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -96,7 +100,8 @@ def medusa_tree(num_heads: int) -> list[list[int]]:
 def medusa_graph(module: MedusaHeads, name: str = "medusa"):
     g = GraphBuilder(name)
     cfg, dec = module.cfg, module.dec
-    h, v = dec.hidden_size, dec.vocab_size
+    heads = module.head_weights()
+    h, v = dec.hidden_size, heads[0].shape[0]
     hidden = g.input("hidden_in", FLOAT, ["batch", "rows", h])
     feats = []
     for k, head in enumerate(module.medusa_head):
@@ -110,27 +115,29 @@ def medusa_graph(module: MedusaHeads, name: str = "medusa"):
         feats.append(g.op("Unsqueeze", x, g.const([2])))
     stacked = g.op("Concat", *feats, axis=2)  # [B, R, K, H]
     if cfg.own_heads:
-        w = np.stack([_np(head[-1].weight).T for head in module.medusa_head])  # [K, H, V]
+        w = np.stack([_np(weight).T for weight in heads])  # [K, H, V']
         per_head = g.op("Transpose", stacked, perm=[2, 0, 1, 3])  # [K, B, R, H]
         logits = g.op("Transpose", g.op("MatMul", g.op("Reshape", per_head, g.const([cfg.num_heads, -1, h])),
                                         g.weight("medusa_head.lm_heads", w)), perm=[1, 0, 2])  # [B·R, K, V]
         logits = g.op("Reshape", logits, g.op("Concat", g.op("Shape", hidden, end=2), g.const([cfg.num_heads, v]),
                                               axis=0))
     else:
-        logits = g.op("MatMul", stacked, g.weight("lm_head.weight", _np(module.lm_head.weight).T))
+        logits = g.op("MatMul", stacked, g.weight("lm_head.weight", _np(heads[0]).T))
     g.output(logits, "logits", FLOAT, ["batch", "rows", cfg.num_heads, v])
     return g.model(doc=f"specrt Medusa heads ({cfg.num_heads})")
 
 
 def medusa_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
-    """medusa/medusa.onnx and the static tree stored with it."""
+    """medusa/medusa.onnx, the static tree stored with it, and medusa/vocab_ids.npy where the heads cover a
+    draft vocabulary."""
     graphs = {"medusa": save_graph(medusa_graph(module), tmp / "medusa" / "medusa.onnx", "medusa", target_cfg, source)}
     parity = {}
     if check_parity:
         h = torch.randn(1, 2, target_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             parity["medusa"] = session_parity(tmp / graphs["medusa"].file, {"hidden_in": h}, module(h))
-    return graphs, {"tree": medusa_tree(module.cfg.num_heads)}, parity
+    entry = {"tree": medusa_tree(module.cfg.num_heads), **vocab_ids_entry(module.head_vocab, tmp, "medusa")}
+    return graphs, entry, parity
 
 
 # ---------------------------------------------------------------------------------------------- training

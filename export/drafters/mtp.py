@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specrt.errors import SpecrtError
-from specrt.export.drafter_export import feature_parity, save_graph
+from specrt.export.drafter_export import feature_parity, save_graph, vocab_ids_entry
 from specrt.export.drafters import make_config
 from specrt.export.drafters.base import FeatureDrafter, FrozenTargetWeights, one_layer, plain_layer_state
 from specrt.export.drafters.graphs import feature_graph
@@ -114,6 +114,11 @@ class MtpModules(FrozenTargetWeights):
         return {k: v for k, v in self.state_dict().items()
                 if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
 
+    def set_head_vocab(self, ids) -> None:
+        super().set_head_vocab(ids)
+        for m in self.mtp:  # each module's graph has the head
+            m.set_head_vocab(ids)
+
 
 def mtp_warm_start(module: MtpModules, target, vocab) -> None:
     """Every MTP block starts as the target's last decoder layer (its output is normed before the head);
@@ -128,14 +133,15 @@ def mtp_warm_start(module: MtpModules, target, vocab) -> None:
 
 
 def mtp_graphs(module, tmp: Path, target_cfg, source: str, check_parity: bool) -> tuple[dict, dict, dict]:
-    """mtp/module_{k}.onnx, one per MTP module."""
+    """mtp/module_{k}.onnx, one per MTP module, and mtp/vocab_ids.npy where their head covers a draft
+    vocabulary."""
     graphs, parity = {}, {}
     for k, m in enumerate(module.mtp):
         role = f"mtp.{k}"
         graphs[role] = save_graph(feature_graph(m, role), tmp / "mtp" / f"module_{k}.onnx", role, m.dec, source)
         if check_parity:
             parity[role] = feature_parity(m, tmp / graphs[role].file)
-    return graphs, {}, parity
+    return graphs, vocab_ids_entry(module.head_vocab, tmp, "mtp"), parity
 
 
 # ---------------------------------------------------------------------------------------------- training

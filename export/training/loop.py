@@ -41,7 +41,7 @@ class TrainSettings:
     steps: int | None = None  # unrolled draft steps (eagle, eagle3, mtp)
     seed: int = 0
     evals: int = 8  # held-out evaluations over the run (the τ curve)
-    draft_vocab: int = 8192  # label vocabulary: the most frequent target tokens (EAGLE-3's draft vocabulary)
+    draft_vocab: int = 8192  # label vocabulary: the most frequent target tokens (the draft vocabulary, where kept)
     max_new_tokens: int = 160
     max_prompts: int | None = None  # use the first N corpus prompts (tests, quick runs)
     precision: str = "auto"  # auto | bf16 | fp32 (export/training/precision.py)
@@ -51,8 +51,9 @@ class TrainSettings:
 
 def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> torch.Tensor:
     """Target ids the drafter is scored over in training: the `size` most frequent target top-1
-    tokens (then the most frequent in the top-k lists). EAGLE-3 keeps it as its draft vocabulary;
-    for the others it only bounds the training LM-head cost (their graphs keep the full head)."""
+    tokens (then the most frequent in the top-k lists). EAGLE-3 and block keep it as their draft
+    vocabulary (their own head), EAGLE, MTP and Medusa as their head's (`Training.head_vocab`); for the
+    others it only bounds the training LM-head cost."""
     counts = top1 + 1e-3 * anywhere
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
 
@@ -113,6 +114,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     module = drafters.build(drafters.make_config(kind, **options), target)
     if spec.warm_start:
         resolve(spec.warm_start)(module, target, vocab)
+    if spec.head_vocab and len(vocab) < target.cfg.vocab_size:  # the head it is trained over is the one exported
+        module.set_head_vocab(vocab)
     module.train()
     objective = resolve(spec.objective)(module, data, vocab, settings.steps)
     params = [p for p in module.parameters() if p.requires_grad]

@@ -77,6 +77,14 @@ class DrafterContext:
     threads: int
     tree: Tree
     options: dict
+    backend: str = "ort"  # the target's backend (engines/registry.py): where feature layers may run natively
+
+    def target_embedding(self) -> np.ndarray:
+        """The target graph's embedding table [V, H], mapped read-only from its data file (engines/tables.py):
+        the rows a feature layer's `inputs_embeds` reads (a drafter's embedding is the target's)."""
+        from specrt.engines.tables import TARGET_EMBEDDING, initializer
+
+        return initializer(self.bundle / self.manifest.target.file, TARGET_EMBEDDING)
 
     def session(self, graph: str):
         """An ONNX Runtime CPU session of the bundle's drafter graph `graph`, its idle workers not
@@ -94,6 +102,12 @@ class Drafter:
 
     name: str
     needs_hidden = False  # True: `observe` needs the target's hidden states (learned feature drafters)
+
+    @property
+    def engine_calls(self) -> int:
+        """Engine calls (graph sessions, native passes) this drafter has made so far: what a step's proposal
+        costs in calls (`--json` stats `draft_calls`); 0 for drafters that run no engine."""
+        return 0
 
     def propose(self, tokens: list[int], max_nodes: int, max_depth: int, sampling: SamplingParams,
                 rng: np.random.Generator) -> Proposal:

@@ -6,14 +6,13 @@ is an i.i.d. draw from depth d's warped distribution, recorded as q, so rejectio
 
 from __future__ import annotations
 
-from functools import cache
-
 import numpy as np
 
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
-from specrt.runtime.drafters.static_tree import expand_static
-from specrt.runtime.sampling import SamplingParams, top_desc, warp
+from specrt.runtime.drafters.static_tree import expand_by_depth
+from specrt.runtime.drafters.vocab import DraftVocab
+from specrt.runtime.sampling import SamplingParams
 
 
 class BlockDrafter(Drafter):
@@ -26,23 +25,21 @@ class BlockDrafter(Drafter):
         self.shape = ctx.tree
         layer, fuse = entry["graphs"]
         cfg = ctx.manifest.graphs[layer].config
-        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, layer), cfg, ctx.capacity + self.block, ctx.threads)
-        self.fuse = ctx.session(fuse)
-        self.vocab_ids = np.load(ctx.bundle / entry["vocab_ids"], allow_pickle=False)  # draft id -> target id
-        self.vocab_size = ctx.manifest.target.config.vocab_size
+        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, layer), cfg, ctx.capacity + self.block, ctx.threads,
+                                  ctx.backend, ctx.manifest.onnx_path(ctx.bundle, fuse), ctx.target_embedding)
+        self.vocab = DraftVocab.of(ctx, entry)
         self.state: TargetState | None = None
+
+    @property
+    def engine_calls(self) -> int:
+        return self.layer.calls
 
     def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
         self.state = state
         self.layer.sync(tokens)
 
     def features(self, start: int, end: int) -> np.ndarray:
-        return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]
-
-    def _dist(self, logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
-        full = np.zeros(self.vocab_size, np.float32)
-        full[self.vocab_ids] = warp(logits, sampling)
-        return full
+        return self.layer.fuse(self.state.aux[start:end])
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         m = len(tokens) - 1
@@ -51,8 +48,4 @@ class BlockDrafter(Drafter):
             return Proposal()
         depth = int(self.shape.depth[keep].max())
         logits = np.atleast_2d(self.layer.catch_up(tokens, self.features, m, mask_rows=depth - 1)[0])  # [depth, V']
-        width = max(self.shape.ranks[i] for i in keep) + 1
-        top = cache(lambda d: self.vocab_ids[top_desc(logits[d], width)])
-        q = cache(lambda d: self._dist(logits[d], sampling))
-        return expand_static(self.shape, keep, sampling, rng, ranked=lambda p, n: top(int(self.shape.depth[p]))[:n],
-                             dist=lambda p: q(int(self.shape.depth[p])))
+        return expand_by_depth(self.shape, keep, logits, self.vocab, sampling, rng)

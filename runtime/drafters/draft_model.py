@@ -40,6 +40,7 @@ class DraftModel(Drafter):
         self.cached: list[int] = []  # tokens whose K/V rows are valid in the draft cache
 
     def _run(self, ids: list[int], positions: np.ndarray, past: int, mask: np.ndarray, rows: list[int]) -> np.ndarray:
+        self.calls += 1
         logits, _ = self.model.run(np.asarray([ids], np.int64), positions[None], np.array([past], np.int64),
                                    mask[None], np.asarray([rows], np.int64))
         return logits[0]
@@ -65,6 +66,12 @@ class DraftModel(Drafter):
 
         return expand_static(shape, keep, sampling, rng, ranked=lambda p, n: top_desc(dist[p], n),
                              dist=lambda p: warp(dist[p], sampling), evaluate=evaluate)
+
+    calls = 0  # draft-model passes
+
+    @property
+    def engine_calls(self) -> int:
+        return self.calls
 
     def observe(self, tokens: list[int], state=None) -> None:
         # keep the common prefix, but never the newest token: its pass gives the root distribution

@@ -21,7 +21,8 @@ import numpy as np
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.drafters.static_tree import expand_static
-from specrt.runtime.sampling import SamplingParams, top_desc, warp
+from specrt.runtime.drafters.vocab import DraftVocab
+from specrt.runtime.sampling import SamplingParams, top_desc
 
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
 
@@ -68,10 +69,10 @@ class EagleDrafter(Drafter):
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
         cfg = ctx.manifest.graphs[entry["graphs"][0]].config
-        self.layer = FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, entry["graphs"][0]), cfg,
-                                  ctx.capacity + self.scratch_rows(), ctx.threads)
-        self.vocab_ids = None  # draft id -> target id (EAGLE-3's reduced vocabulary)
-        self.vocab_size = ctx.manifest.target.config.vocab_size
+        graphs = [ctx.manifest.onnx_path(ctx.bundle, g) for g in entry["graphs"]]
+        self.layer = FeatureLayer(graphs[0], cfg, ctx.capacity + self.scratch_rows(), ctx.threads, ctx.backend,
+                                  graphs[1] if len(graphs) > 1 else None, ctx.target_embedding)
+        self.vocab = DraftVocab.of(ctx, entry)  # the head's draft vocabulary (EAGLE-3's always)
         self.state: TargetState | None = None
 
     needs_hidden = True
@@ -89,22 +90,13 @@ class EagleDrafter(Drafter):
     def features(self, start: int, end: int) -> np.ndarray:
         return self.state.hidden[start:end]
 
+    @property
+    def engine_calls(self) -> int:
+        return self.layer.calls
+
     def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
         self.state = state
         self.layer.sync(tokens)
-
-    # ── distributions over target ids ───────────────────────────────────────────────────────
-    def _to_target(self, ids: np.ndarray) -> np.ndarray:
-        return ids if self.vocab_ids is None else self.vocab_ids[ids]
-
-    def _dist(self, logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
-        """The warped draft distribution over the target vocabulary (zero outside the draft vocab)."""
-        q = warp(logits, sampling)
-        if self.vocab_ids is None:
-            return q
-        full = np.zeros(self.vocab_size, np.float32)
-        full[self.vocab_ids] = q
-        return full
 
     # ── the step ────────────────────────────────────────────────────────────────────────────
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
@@ -146,8 +138,8 @@ class EagleDrafter(Drafter):
             self._pass(nodes, m, [window[i] for i in level])
 
         return expand_static(self.shape, self.shape.kept(max_nodes, depth), sampling, rng,
-                             ranked=lambda p, n: self._to_target(top_desc(nodes.logits[window[p]], n)),
-                             dist=lambda p: self._dist(nodes.logits[window[p]], sampling), evaluate=evaluate)
+                             ranked=lambda p, n: self.vocab.top(nodes.logits[window[p]], n),
+                             dist=lambda p: self.vocab.dist(nodes.logits[window[p]], sampling), evaluate=evaluate)
 
     def _dynamic(self, nodes: _Nodes, m: int, depth: int, budget: int) -> list[int]:
         frontier = [0]
@@ -157,7 +149,7 @@ class EagleDrafter(Drafter):
                 lp = _log_softmax(nodes.logits[p].astype(np.float64))
                 top = top_desc(lp, self.beam)
                 for t in top:
-                    cands.append(nodes.add(int(self._to_target(np.asarray(t))), p, nodes.score[p] + float(lp[t])))
+                    cands.append(nodes.add(int(self.vocab.to_target(t)), p, nodes.score[p] + float(lp[t])))
             if d == depth:
                 break
             frontier = sorted(cands, key=lambda n: -nodes.score[n])[: self.beam]
@@ -180,10 +172,5 @@ class Eagle3(EagleDrafter):
     kind = "eagle3"
     dynamic = True
 
-    def __init__(self, ctx: DrafterContext):
-        super().__init__(ctx)
-        self.vocab_ids = np.load(ctx.bundle / self.entry["vocab_ids"], allow_pickle=False)
-        self.fuse = ctx.session(self.entry["graphs"][1])
-
     def features(self, start: int, end: int) -> np.ndarray:
-        return self.fuse.run(None, {"aux_hidden_states": self.state.aux[None, start:end]})[0][0]
+        return self.layer.fuse(self.state.aux[start:end])

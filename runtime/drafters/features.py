@@ -9,6 +9,7 @@ hidden state comes with the next verify pass).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,33 @@ import numpy as np
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
+
+NATIVE_TARGETS = ("native",)  # target backends whose drafters' layers run natively too, where they can
+
+
+def layer_backend(path, cfg: DecoderConfig, target_backend: str, requested: str = "auto") -> tuple[str, dict]:
+    """Where a drafter layer graph runs, and the branch record (specrt/branches.py `drafter_layers`): under auto,
+    on the native kernels when the target does and the layer is one they compute (an int4 EAGLE-3 layer), else
+    on ONNX Runtime. Either way the target's verify decides every token: only the speed differs."""
+    from specrt.branches import pick, record
+
+    choice = pick("drafter_layers", requested)
+    why = ""
+    if choice.value != "ort":
+        from specrt.engines.native import library
+        from specrt.engines.native.feature import feature_layer_unsupported
+
+        if choice.value == "auto" and target_backend not in NATIVE_TARGETS:
+            return "ort", record(choice, "ort", f"the target runs on {target_backend}")
+        why = ("no C++ compiler for the native kernels" if library.compiler() is None
+               else feature_layer_unsupported(path, cfg))
+    if choice.value == "native" and why:
+        raise SpecrtError(f"drafter layers forced native ({choice.forced_by}) but {path} cannot run there: {why}; "
+                          "unset it or choose ort")
+    if choice.value == "auto":
+        name = "ort" if why else "native"
+        return name, record(choice, name, why or "the target runs on native")
+    return choice.value, record(choice, choice.value)
 
 
 @dataclass
@@ -35,6 +63,24 @@ class TargetState:
             self.aux[rows] = outs["aux_hidden_states"][0, window_rows]
 
 
+def takes_embeds(path) -> bool:
+    """Whether the layer graph at `path` reads the target's embedding rows as `inputs_embeds` (bundles
+    exported before that store a copy of the table in the layer)."""
+    import onnx
+
+    return any(i.name == "inputs_embeds" for i in onnx.load(str(path), load_external_data=False).graph.input)
+
+
+def _ort_fuse(path, threads: int):
+    """The fuse graph as an ONNX Runtime session: aux [T, n·H] -> features [T, H]."""
+    import onnxruntime as ort
+
+    from specrt.engines.ort_cpu.runner import session_options
+
+    session = ort.InferenceSession(str(path), session_options(threads, spin=False), providers=["CPUExecutionProvider"])
+    return lambda aux: session.run(None, {"aux_hidden_states": aux[None]})[0][0]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n, limit = 0, min(len(a), len(b))
     while n < limit and a[n] == b[n]:
@@ -49,10 +95,32 @@ class FeatureLayer:
     scratch space for drafted rows, rewritten every step.
     """
 
-    def __init__(self, path, cfg: DecoderConfig, capacity: int, threads: int):
-        self.model = OrtDecoder(path, cfg, capacity, threads, spin=False)
+    def __init__(self, path, cfg: DecoderConfig, capacity: int, threads: int, target_backend: str = "ort",
+                 fuse_path=None, embedding: Callable[[], np.ndarray] | None = None):
+        """`fuse_path`: EAGLE-3's fuse graph, run on the same kernels as the layer (`fuse`); `embedding`: the
+        target's table (DrafterContext.target_embedding), for a layer graph that reads `inputs_embeds`."""
+        self.backend, self.record = layer_backend(path, cfg, target_backend)
+        table = embedding() if embedding is not None and takes_embeds(path) else None
+        self.embeds = None  # the table this layer gathers `inputs_embeds` from (ONNX Runtime)
+        if self.backend == "native":
+            from specrt.engines.native.feature import NativeFeatureLayer
+
+            self.model = NativeFeatureLayer(path, fuse_path, cfg, capacity, threads, embedding=table)
+            self._fuse = self.model.fuse
+        else:
+            self.model = OrtDecoder(path, cfg, capacity, threads, spin=False)
+            self._fuse = None if fuse_path is None else _ort_fuse(fuse_path, threads)
+            self.embeds = table
+            if table is None and takes_embeds(path):
+                raise SpecrtError(f"internal: {path} reads inputs_embeds and no embedding table was given")
+        self.calls = 0  # engine calls (layer passes and fuses), for --json's stats
         self.cached = 0
         self.tokens: list[int] = []  # the committed tokens the cached rows were built from
+
+    def fuse(self, aux: np.ndarray) -> np.ndarray:
+        """EAGLE-3's fuse graph: the tapped target features aux [T, n·H] -> the layer's features [T, H]."""
+        self.calls += 1
+        return self._fuse(aux)
 
     def sync(self, tokens: list[int]) -> None:
         """Drop cached rows whose token (x[r+1]) is no longer the committed one."""
@@ -62,9 +130,12 @@ class FeatureLayer:
 
     def run(self, ids, hidden: np.ndarray, positions, past: int, mask: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
         """(logits [R, V'] for window `rows`, features [T, H])."""
-        logits, out = self.model.run(np.asarray([ids], np.int64), np.asarray(positions, np.int64)[None],
-                                     np.array([past], np.int64), mask[None], np.asarray([rows], np.int64),
-                                     hidden_in=np.asarray(hidden, np.float32)[None])
+        ids = np.asarray([ids], np.int64)
+        extra = {} if self.embeds is None else {"inputs_embeds": self.embeds[np.maximum(ids, 0)]}
+        logits, out = self.model.run(ids, np.asarray(positions, np.int64)[None], np.array([past], np.int64),
+                                     mask[None], np.asarray([rows], np.int64),
+                                     hidden_in=np.asarray(hidden, np.float32)[None], **extra)
+        self.calls += 1
         return logits[0], out[0]
 
     def catch_up(self, tokens: list[int], features, upto: int, mask_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -5,12 +5,11 @@ Medusa's "choices". With sampling, each node is an i.i.d. draw from head d's war
 
 from __future__ import annotations
 
-from functools import cache
-
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import TargetState
-from specrt.runtime.drafters.static_tree import expand_static
-from specrt.runtime.sampling import SamplingParams, top_desc, warp
+from specrt.runtime.drafters.static_tree import expand_by_depth
+from specrt.runtime.drafters.vocab import DraftVocab
+from specrt.runtime.sampling import SamplingParams
 
 
 class MedusaDrafter(Drafter):
@@ -21,8 +20,15 @@ class MedusaDrafter(Drafter):
         entry = ctx.manifest.drafter("medusa", ctx.bundle)
         self.heads = int(entry["config"]["num_heads"])
         self.session = ctx.session(entry["graphs"][0])
+        self.vocab = DraftVocab.of(ctx, entry)
         self.shape = ctx.tree
         self.state: TargetState | None = None
+
+    calls = 0  # head-session runs
+
+    @property
+    def engine_calls(self) -> int:
+        return self.calls
 
     def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
         self.state = state
@@ -33,10 +39,6 @@ class MedusaDrafter(Drafter):
         if len(tokens) < 2 or not keep:
             return Proposal()
         hidden = self.state.hidden[len(tokens) - 2][None, None]
-        logits = self.session.run(None, {"hidden_in": hidden})[0][0, 0]  # [K, V]: head d drafts depth d+1
-        width = max(shape.ranks[i] for i in keep) + 1
-        # every parent at depth d shares head d's candidates: rank and warp each head once
-        top = cache(lambda d: top_desc(logits[d], width))
-        q = cache(lambda d: warp(logits[d], sampling))
-        return expand_static(shape, keep, sampling, rng, ranked=lambda p, n: top(int(shape.depth[p]))[:n],
-                             dist=lambda p: q(int(shape.depth[p])))
+        self.calls += 1
+        logits = self.session.run(None, {"hidden_in": hidden})[0][0, 0]  # [K, V']: head d drafts depth d+1
+        return expand_by_depth(shape, keep, logits, self.vocab, sampling, rng)

@@ -13,7 +13,8 @@ import numpy as np
 from specrt.plugins.rejection_sample import sample_from
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
-from specrt.runtime.sampling import SamplingParams, warp
+from specrt.runtime.drafters.vocab import DraftVocab
+from specrt.runtime.sampling import SamplingParams
 
 
 class MtpDrafter(Drafter):
@@ -33,11 +34,17 @@ class MtpDrafter(Drafter):
         for k in range(self.steps):
             role = modules[min(k, len(modules) - 1)]
             self.layers.append(FeatureLayer(ctx.manifest.onnx_path(ctx.bundle, role),
-                                            ctx.manifest.graphs[role].config, ctx.capacity + self.steps + 2, ctx.threads))
+                                            ctx.manifest.graphs[role].config, ctx.capacity + self.steps + 2, ctx.threads,
+                                            ctx.backend, embedding=ctx.target_embedding))
         # committed-row outputs of each step (step k+1 reads step k's row r-1)
         self.outs = [np.zeros((ctx.capacity + 1, ctx.manifest.target.config.hidden_size), np.float32)
                      for _ in range(self.steps)]
+        self.vocab = DraftVocab.of(ctx, entry)
         self.state: TargetState | None = None
+
+    @property
+    def engine_calls(self) -> int:
+        return sum(layer.calls for layer in self.layers)
 
     def observe(self, tokens: list[int], state: TargetState | None = None) -> None:
         self.state = state
@@ -74,9 +81,9 @@ class MtpDrafter(Drafter):
             layer.cached = m
             prev_draft_out = out[n_committed:]
             if sampling.greedy:
-                drafts.append(int(logits[0].argmax()))
+                drafts.append(int(self.vocab.to_target(int(logits[0].argmax()))))
             else:
-                q = warp(logits[0], sampling)
+                q = self.vocab.dist(logits[0], sampling)
                 drafts.append(sample_from(q, float(rng.random())))
                 qs.append(q)
         return Proposal(drafts, list(range(len(drafts))), np.stack(qs) if qs else None)

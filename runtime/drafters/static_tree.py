@@ -22,6 +22,7 @@ the candidates under a node come from, which the three callables say:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 
 import numpy as np
 
@@ -63,3 +64,15 @@ def expand_static(shape: Tree, keep: list[int], sampling: SamplingParams, rng: n
             evaluate(level, drafted)
     q = None if sampling.greedy else np.stack([q_rows[i] for i in keep])
     return Proposal([drafted[i] for i in keep], renumber(keep, shape.parents), q)
+
+
+def expand_by_depth(shape: Tree, keep: list[int], logits: np.ndarray, vocab, sampling: SamplingParams,
+                    rng: np.random.Generator) -> Proposal:
+    """`expand_static` where every node at depth d takes depth d's candidates, whatever its parent (Medusa's
+    heads, the block drafter's rows): `logits[d-1]` over the draft vocabulary `vocab` (a DraftVocab), each
+    depth ranked and warped once."""
+    width = max(shape.ranks[i] for i in keep) + 1 if keep else 0
+    top = cache(lambda d: vocab.top(logits[d], width))
+    q = cache(lambda d: vocab.dist(logits[d], sampling))
+    return expand_static(shape, keep, sampling, rng, ranked=lambda p, n: top(int(shape.depth[p]))[:n],
+                         dist=lambda p: q(int(shape.depth[p])))

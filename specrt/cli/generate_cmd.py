@@ -85,4 +85,11 @@ def exactness_summary(gen, result=None, sampling=None) -> dict:
     return {"mode": e.mode.name, "batch_invariant": e.lossless, "reason": e.reason, "source": e.source,
             "auto_mode": e.record["chosen"], "forced_by": e.forced_by, "requested_drafter": gen.requested_drafter,
             "exact_to": gen.reference.to_dict(greedy) if lossless else None,
-            **({"native_kernel": gen.target.kernel_record} if getattr(gen.target, "kernel_record", None) else {})}
+            **({"native_kernel": gen.target.kernel_record} if getattr(gen.target, "kernel_record", None) else {}),
+            **({"drafter_layers": layer.record} if (layer := _layer_of(gen.drafter)) is not None else {})}
+
+
+def _layer_of(drafter):
+    """The feature layer a learned drafter runs (its branch record says on which kernels), else None."""
+    layer = getattr(drafter, "layer", None) or next(iter(getattr(drafter, "layers", []) or []), None)
+    return layer if hasattr(layer, "record") else None

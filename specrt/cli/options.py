@@ -80,7 +80,8 @@ def runtime_options(f):
                      "CPU, attention fused into GroupQueryAttention by `specrt build`: faster; it verifies chains "
                      "only, so a tree draft is cut to its top-ranked path), ort-cuda (ONNX Runtime's CUDA provider, "
                      "onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), ort-device (the "
-                     "device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU."),
+                     "device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU; under native, "
+                     "EAGLE-3 layers run on its kernels (SPECRT_DRAFTER_LAYERS)."),
         click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=None,
                      help="Chain length when no --tree is given (default 5; the deepest draft with --adaptive)."),
         click.option("--adaptive/--fixed-depth", default=None,

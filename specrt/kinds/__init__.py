@@ -58,6 +58,9 @@ class Training:
     warm_start: str | None = None  # (module, target, label vocab) -> None: initial weights from the target
     options_from_data: str | None = None  # (options, data, label vocab) -> options the data decides
     test_options: dict = field(default_factory=dict)  # config fields for the test suite's brief training
+    # the trained checkpoint keeps the label vocabulary as its draft vocabulary: the exported head computes
+    # the logits of those target ids only (kinds whose head is the target's, or trained on those rows only)
+    head_vocab: bool = False
 
 
 @dataclass(frozen=True)

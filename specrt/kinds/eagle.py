@@ -10,6 +10,6 @@ SPEC = DrafterSpec(
     graphs="specrt.export.drafters.eagle:eagle_graphs",
     public_layout="specrt.export.drafters.eagle:PUBLIC", public_loader="specrt.export.drafters.eagle:load_eagle",
     training=Training(objective="specrt.export.drafters.eagle:EagleObjective", epochs=16.0, lr=6e-4,
-                      test_epochs=20),
+                      test_epochs=20, head_vocab=True),
     example_config={},
 )

@@ -10,6 +10,6 @@ SPEC = DrafterSpec(
     graphs="specrt.export.drafters.medusa:medusa_graphs",
     public_layout="specrt.export.drafters.medusa:PUBLIC", public_loader="specrt.export.drafters.medusa:load_medusa",
     training=Training(objective="specrt.export.drafters.medusa:MedusaObjective", epochs=6.0, lr=1e-3,
-                      test_epochs=30),
+                      test_epochs=30, head_vocab=True),
     example_config={"num_heads": 2}, random_config={"num_heads": 3},
 )

@@ -9,6 +9,7 @@ SPEC = DrafterSpec(
     graphs="specrt.export.drafters.mtp:mtp_graphs",
     public_layout="specrt.export.drafters.mtp:PUBLIC", public_loader="specrt.export.drafters.mtp:load_mtp",
     training=Training(objective="specrt.export.drafters.mtp:MtpObjective", epochs=12.0, lr=6e-4,
-                      test_epochs=20, warm_start="specrt.export.drafters.mtp:mtp_warm_start"),
+                      test_epochs=20, warm_start="specrt.export.drafters.mtp:mtp_warm_start",
+                      head_vocab=True),
     example_config={"num_modules": 2}, random_config={"num_modules": 2, "num_steps": 3},
 )

@@ -72,6 +72,10 @@ def test_feature_graph_matches_pytorch(tmp_path, target, kind, fields):
         path = tmp_path / f"{kind}{i}.onnx"
         onnx.save(feature_graph(m, f"{kind}{i}"), path)
         assert feature_parity(m, path) < 1e-4  # prefill rows, then a 3-node tree, logits and features
+        graph = onnx.load(str(path)).graph
+        # the embedding is the target's, gathered by the runtime from the target's own table: never a copy
+        assert "inputs_embeds" in {i.name for i in graph.input}
+        assert not [t.name for t in graph.initializer if "embed_tokens" in t.name]
 
 
 @pytest.mark.parametrize("own_heads", [False, True])
@@ -202,3 +206,56 @@ def test_an_eagle3_head_from_the_target_is_sliced_not_stored(tmp_path, target):
         torch.testing.assert_close(loaded.state_dict()[k].float(), v.float(), atol=1e-3, rtol=2**-10, msg=k)
     with pytest.raises(SpecrtError, match="checkpoint dtype"):
         drafters.save(module, tmp_path / "bad", "int8")
+
+
+HEAD_VOCAB_KINDS = [(k.name, {**k.example_config, **({"own_heads": own} if k.name == "medusa" else {})})
+                    for k in kinds.kinds().values() if k.training and k.training.head_vocab
+                    for own in ((False, True) if k.name == "medusa" else (None,))]
+
+
+@pytest.mark.parametrize("kind,fields", HEAD_VOCAB_KINDS)
+def test_a_head_vocabulary_round_trips_and_exports_only_its_rows(tmp_path, target, kind, fields):
+    """A head over a draft vocabulary (EAGLE, MTP, Medusa): the checkpoint keeps the ids, the graph
+    computes only their rows (each logit the full head's logit of that target id) and the manifest entry
+    names vocab_ids.npy, which maps draft ids back to those target ids."""
+    from safetensors.torch import load_file
+
+    vocab = torch.tensor([2, 5, 17, 40, 41, 99, 127])
+    module = randomized(drafters.build(drafters.make_config(kind, **fields), target))
+    hidden = torch.randn(1, 3, target.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids, pos, past = torch.tensor([[4, 9, 30]]), torch.arange(3)[None], torch.tensor([0])
+    mask = torch.tril(torch.ones(3, 3, dtype=torch.bool))[None]
+
+    def logits(m):
+        if kind == "medusa":
+            return m(hidden)
+        first = feature_modules(m)[0]
+        return first.step(ids, hidden, pos, past, mask, first.new_kv(1, 4))[0]
+
+    full = logits(module)
+    module.set_head_vocab(vocab)
+    sliced = logits(module)  # the same sums; a GEMM over fewer rows may order them otherwise
+    torch.testing.assert_close(sliced, full[..., vocab], atol=1e-5, rtol=1e-5)
+
+    drafters.save(module, tmp_path / "ck")
+    assert torch.equal(load_file(tmp_path / "ck" / "model.safetensors")["head_vocab"], vocab)
+    loaded = drafters.load(tmp_path / "ck", target)
+    assert torch.equal(loaded.head_vocab, vocab)
+    torch.testing.assert_close(logits(loaded), sliced, atol=0, rtol=0)
+
+    graphs, entry = export_drafter(loaded, tmp_path / "out", target.cfg, "test", check_parity=True)
+    assert max(entry["parity_max_abs"].values()) < 1e-4
+    assert np.array_equal(np.load(tmp_path / "out" / entry["vocab_ids"]), vocab.numpy())
+    for g in graphs.values():
+        [out] = [o for o in onnx.load(str(tmp_path / "out" / g.file), load_external_data=False).graph.output
+                 if o.name == "logits"]
+        assert out.type.tensor_type.shape.dim[-1].dim_value == len(vocab)
+
+
+@pytest.mark.parametrize("bad", [[5, 2, 9], [2, 2, 9], [3, 128], [-1, 4]])
+def test_a_bad_head_vocabulary_is_refused(tmp_path, target, bad):
+    module = drafters.build(drafters.make_config("eagle"), target)
+    module.set_head_vocab(torch.tensor(bad))
+    drafters.save(module, tmp_path / "ck")
+    with pytest.raises(SpecrtError, match="head_vocab must list distinct target ids 0..127 in ascending order"):
+        drafters.load(tmp_path / "ck", target)

@@ -47,8 +47,11 @@ def rows_from_scratch(module, ids: list[int], feats: torch.Tensor) -> tuple[torc
 
 
 def reference_chain(kind: str, module, target, tokens: list[int], steps: int) -> list[int]:
-    """The greedy chain each kind drafts, recomputed from scratch in PyTorch."""
+    """The greedy chain each kind drafts, recomputed from scratch in PyTorch, as target ids (a head over a
+    draft vocabulary maps its argmax through `head_vocab`, and the next step reads that target id)."""
     m = len(tokens) - 1
+    vocab = getattr(module, "head_vocab", None)
+    target_id = (lambda i: int(i)) if vocab is None else (lambda i: int(vocab[int(i)]))  # noqa: E731
     if kind == "draft":  # greedy decoding with the draft model, one full pass per token
         ids = list(tokens)
         for _ in range(steps):
@@ -61,7 +64,7 @@ def reference_chain(kind: str, module, target, tokens: list[int], steps: int) ->
     if kind == "medusa":
         hidden, _ = target_states(target, tokens[:-1])
         with torch.no_grad():
-            return module(hidden[m - 1])[:steps].argmax(-1).tolist()
+            return [target_id(i) for i in module(hidden[m - 1])[:steps].argmax(-1)]
     taps = tuple(module.cfg.taps) if kind in ("eagle3", "block") else ()
     hidden, aux = target_states(target, tokens[:-1], taps)
     if kind == "block":  # one causal pass: the committed rows, then steps-1 mask rows (id -1)
@@ -76,7 +79,7 @@ def reference_chain(kind: str, module, target, tokens: list[int], steps: int) ->
         for _ in range(steps):  # each drafted row reads the previous row's own output
             logits, out = rows_from_scratch(module, ids, feats)
             tok = int(logits[-1].argmax())
-            tok = int(module.target_ids()[tok]) if kind == "eagle3" else tok
+            tok = int(module.target_ids()[tok]) if kind == "eagle3" else target_id(tok)
             drafts.append(tok)
             ids, feats = [*ids, tok], torch.cat([feats, out[-1:]])
         return drafts
@@ -87,7 +90,7 @@ def reference_chain(kind: str, module, target, tokens: list[int], steps: int) ->
         ids = [*tokens[1:], *drafts]
         feats = prev if k == 0 else torch.cat([torch.zeros_like(prev[:1]), prev])  # row r reads row r-1
         logits, out = rows_from_scratch(mod, ids, feats[: len(ids)])
-        drafts.append(int(logits[-1].argmax()))
+        drafts.append(target_id(logits[-1].argmax()))
         prev = out
     return drafts
 

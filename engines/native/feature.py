@@ -1,0 +1,160 @@
+"""An EAGLE-3 drafter layer run by the native kernels: one C call per draft pass, no graph interpreter.
+
+The layer graph (export/drafters/graphs.py) is read by its initializer names, as weights.py reads the target:
+the mix's norms (`midlayer.input_layernorm`, `midlayer.hidden_norm`), the int4 layer (`layer.*_proj`), the
+head's norm and its draft-vocabulary head (`lm_head.weight.T`), the embedding table; and the fuse graph's
+int4 fc (`fc.weight`). A drafter's arithmetic decides only what is proposed, never what is committed (the
+target's verify pass decides every token), so running it on other kernels than ONNX Runtime's changes speed
+and, at most, which drafts are accepted.
+
+`feature_layer_unsupported(path)` says why a layer graph cannot run here (another kind's mix, float weights);
+the runtime then runs it on ONNX Runtime (runtime/drafters/features.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from specrt.engines.native import calls, library
+from specrt.engines.native.runner import NativeDecoder
+from specrt.engines.native.weights import PROJECTIONS, Linear, _nbits, rope_tables, unsupported
+from specrt.engines.tables import tensor_array
+from specrt.errors import SpecrtError
+from specrt.schema.config import DecoderConfig
+
+MIX_NORMS = ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight")  # EAGLE-3's mix
+
+
+def _graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
+    model = onnx.load(str(path), load_external_data=False)  # data mapped by tensor_array (engines/tables.py)
+    inits = {t.name: t for t in model.graph.initializer}
+    by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+    return model, inits, by_weight
+
+
+def _linear(path: Path, inits: dict, by_weight: dict, weight: str) -> Linear:
+    hits = [n for w, n in by_weight.items() if w.startswith(weight + "_")]
+    if len(hits) != 1:
+        raise SpecrtError(f"{path}: expected one int4 projection of {weight}, found {len(hits)}")
+    return _nbits(hits[0], inits, path)
+
+
+def feature_layer_unsupported(path: Path, cfg: DecoderConfig) -> str:
+    """Why the drafter layer graph at `path` cannot run natively, as a phrase; "" when it can."""
+    why = unsupported(cfg)
+    if why:
+        return f"its layer computes {why}"
+    model = onnx.load(str(path), load_external_data=False)
+    names = {t.name for t in model.graph.initializer}
+    if not all(n in names for n in MIX_NORMS):
+        return "its mix is not EAGLE-3's (norm(embed) ‖ norm(feature))"
+    if any(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in names for n in model.graph.node):
+        return "it has float projections (export it with --quantize int4)"
+    return ""
+
+
+class NativeFeatureLayer(NativeDecoder):
+    """The Decoder protocol over one EAGLE-3 layer (batch 1): `run_all(..., hidden_in=)` gives logits over the
+    draft vocabulary and the layer outputs; `fuse(aux)` is the fuse graph's fc on the same kernels."""
+
+    def __init__(self, path: Path, fuse_path: Path | None, cfg: DecoderConfig, capacity: int, threads: int = 2,
+                 kernel: str = "auto", embedding: np.ndarray | None = None):
+        """`embedding`: the target's table [V, H] (read in place), for a layer graph that stores none (it reads
+        `inputs_embeds`); a layer of an older bundle brings its own copy."""
+        why = feature_layer_unsupported(path, cfg)
+        if why:
+            raise SpecrtError(f"{path}: the native backend cannot run this drafter layer: {why}")
+        self.lib = lib = library.load()
+        self.kernel, self.kernel_record = library.kernel(kernel)
+        self.path, self.cfg, self.capacity, self.batch, self.threads = Path(path), cfg, capacity, 1, threads
+        self.taps = []
+        _, inits, by_weight = _graph(path)
+        arr = lambda name: np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)  # noqa: E731
+        if "embed_tokens.weight" in inits:
+            embedding = arr("embed_tokens.weight")
+        if embedding is None:
+            raise SpecrtError(f"{path} reads inputs_embeds: the native layer needs the target's embedding table")
+        self.embed = np.ascontiguousarray(embedding, np.float32)  # read in place (spn_use_embed): keep it alive
+        head = _linear(path, inits, by_weight, "lm_head.weight.T")
+        self.vocab = head.n
+        h = lib.spn_model_new(1, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                              self.embed.shape[0], float(cfg.rms_norm_eps), 1.0, library.KERNELS[self.kernel],
+                              int(threads), 1)
+        if not h:
+            raise SpecrtError(f"native backend: {library.last_error()}")
+        self._h = h
+        ok = calls.use_embed(lib, h, self.embed)
+        self._norms = [arr(MIX_NORMS[0]), arr("layer.post_attention_layernorm.weight"), arr("head.head_norm.weight"),
+                       arr(MIX_NORMS[1])]  # spn_set_norm's `which` order
+        for which, w in enumerate(self._norms):
+            ok &= calls.set_norm(lib, h, 0, which, w)
+        for which, name in enumerate(PROJECTIONS):
+            ok &= calls.set_linear(lib, h, 0, which, _linear(path, inits, by_weight, f"layer.{name}.weight"))
+        ok &= calls.set_linear(lib, h, -1, 0, head)
+        self.rope_rows = capacity + 64
+        ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
+        if not ok:
+            raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
+        self._fuse = None
+        if fuse_path is not None:
+            _, finits, fweights = _graph(fuse_path)
+            fc = _linear(fuse_path, finits, fweights, "fc.weight")
+            self._fuse = calls.linear_new(lib, fc)
+            if not self._fuse:
+                raise SpecrtError(f"native backend: loading {fuse_path} failed: {library.last_error()}")
+            self._fuse_shape = (fc.k, fc.n)
+        shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.kv = [np.zeros(shape, np.float32) for _ in range(2)]
+        self._slot_stride = cfg.num_kv_heads * capacity * cfg.head_dim
+        self._kv_ptrs = {}
+        self.slots = (0, 1)
+        self._outputs = {}
+
+    def __del__(self):
+        fuse = getattr(self, "_fuse", None)
+        if fuse:
+            self.lib.spn_linear_free(fuse)
+            self._fuse = None
+        super().__del__()
+
+    def output_shape(self, name: str) -> tuple | None:
+        shapes = {"logits": ("batch", "rows", self.vocab), "hidden_states": ("batch", "tokens", self.cfg.hidden_size)}
+        return shapes.get(name)
+
+    def fuse(self, aux: np.ndarray) -> np.ndarray:
+        """The fuse graph's fc: aux [T, n·H] -> the layer's feature input [T, H]."""
+        k, n = self._fuse_shape
+        x = np.ascontiguousarray(aux, np.float32).reshape(-1, k)
+        y = np.empty((x.shape[0], n), np.float32)
+        if calls.linear_run(self.lib, self._fuse, library.KERNELS[self.kernel], int(self.threads), x, y) != 0:
+            raise SpecrtError(f"native fuse failed: {library.last_error()}")
+        return y
+
+    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, hidden_in=None,
+                **extra) -> dict[str, np.ndarray]:
+        if extra or hidden_in is None:
+            raise SpecrtError("internal: a native feature layer takes hidden_in and nothing else")
+        ids = np.ascontiguousarray(input_ids, np.int64).reshape(-1)
+        ids = np.maximum(ids, 0)  # a padded row's -1 reads row 0, as the ONNX Runtime layer's inputs_embeds do
+        t = len(ids)
+        if np.asarray(input_ids).shape[0] != 1:
+            raise SpecrtError("internal: a native feature layer runs one sequence")
+        pos = np.ascontiguousarray(position_ids, np.int64).reshape(t)
+        past = np.ascontiguousarray(past_len, np.int64).reshape(1)
+        mask = np.ascontiguousarray(tree_mask, np.bool_).reshape(t, t)
+        index = np.ascontiguousarray(logits_index, np.int64).reshape(-1)
+        feats = np.ascontiguousarray(hidden_in, np.float32).reshape(t, self.cfg.hidden_size)
+        self.check_rows(past, t)
+        if int(pos.max(initial=0)) >= self.rope_rows:
+            raise SpecrtError(f"position {int(pos.max())} is past this layer's rotary table ({self.rope_rows} rows)")
+        out = {"logits": self._buffer("logits", (1, len(index), self.vocab)),
+               "hidden_states": self._buffer("hidden_states", (1, t, self.cfg.hidden_size))}
+        rc = self.lib.spn_feature_pass(self._h, t, calls.ptr(ids), calls.ptr(feats), calls.ptr(pos), calls.ptr(past), calls.ptr(mask),
+                                       len(index), calls.ptr(index), self._kv_pointers(0), self.capacity,
+                                       calls.ptr(out["logits"]), calls.ptr(out["hidden_states"]))
+        if rc != 0:
+            raise SpecrtError(f"native feature pass failed: {library.last_error()}")
+        return out

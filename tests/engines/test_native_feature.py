@@ -1,0 +1,107 @@
+"""EAGLE-3 drafter layers on the native kernels: the same layer as ONNX Runtime's graph (within int8
+rounding), which backend runs a layer (the `drafter_layers` branch, both values), and every value of the branch
+lossless end to end on the int4 default configuration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.engines.native import library
+from specrt.errors import SpecrtError
+from specrt.runtime.drafters.features import layer_backend
+from specrt.schema.manifest import Manifest
+
+CAPACITY = 96
+
+
+@pytest.fixture(scope="module")
+def layers(trained_int4_bundle):
+    """(manifest, EAGLE-3 layer path, fuse path, layer config) of the trained int4 bundle."""
+    m = Manifest.load(trained_int4_bundle)
+    layer, fuse = m.drafter("eagle3", trained_int4_bundle)["graphs"]
+    return m, m.onnx_path(trained_int4_bundle, layer), m.onnx_path(trained_int4_bundle, fuse), m.graphs[layer].config
+
+
+def _passes(dec, rng, vocab, table=None):
+    """A causal prefill of 30 rows, then a tree window after it: (logits, features) of both. `table`: the
+    target's embedding, whose rows an ONNX Runtime layer reads as inputs_embeds (the native one gathers them)."""
+    h = dec.cfg.hidden_size
+    feats = rng.standard_normal((30, h)).astype(np.float32)
+    ids = rng.integers(0, vocab, 30)
+    embeds = (lambda i: {}) if table is None else (lambda i: {"inputs_embeds": np.asarray(table[i])[None]})  # noqa: E731
+    a = dec.run(ids[None], np.arange(30)[None], np.array([0]), np.tril(np.ones((30, 30), bool))[None],
+                np.array([[29]]), hidden_in=feats[None], **embeds(ids))
+    a = [x.copy() for x in a]
+    tree = np.eye(5, dtype=bool)
+    tree[1:, 0] = True
+    tree[3, 1] = tree[4, 2] = True
+    b = dec.run(ids[None, :5], np.array([[30, 31, 31, 32, 32]]), np.array([30]), tree[None], np.arange(5)[None],
+                hidden_in=feats[None, :5], **embeds(ids[:5]))
+    return a, [x.copy() for x in b]
+
+
+@pytest.mark.parametrize("kernel", list(library.KERNELS))
+def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle, kernel):
+    from specrt.engines.native.feature import NativeFeatureLayer
+    from specrt.engines.ort_cpu.runner import OrtDecoder
+
+    if not library.supported(kernel):
+        pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
+    m, layer, fuse, cfg = layers
+    from specrt.engines.tables import TARGET_EMBEDDING, initializer
+
+    table = initializer(trained_int4_bundle / m.target.file, TARGET_EMBEDDING)  # the layer reads inputs_embeds
+    native = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, kernel=kernel, embedding=table)
+    ort = OrtDecoder(layer, cfg, CAPACITY, 2, spin=False)
+    vocab = m.target.config.vocab_size
+    for (ln, hn), (lo, ho) in zip(_passes(native, np.random.default_rng(0), vocab),
+                                  _passes(ort, np.random.default_rng(0), vocab, table), strict=True):
+        assert ln.shape == lo.shape and hn.shape == ho.shape
+        # int8 activations against ONNX Runtime's arithmetic: close, not equal (only proposals depend on it)
+        assert np.abs(ln - lo).max() <= 0.02 * np.abs(lo).max(), np.abs(ln - lo).max()
+        assert np.abs(hn - ho).max() <= 0.02 * np.abs(ho).max()
+        assert (ln.argmax(-1) == lo.argmax(-1)).mean() >= 0.8
+    aux = np.random.default_rng(1).standard_normal((3, len(m.drafter("eagle3", layer.parents[1])["taps"])
+                                                    * m.target.config.hidden_size)).astype(np.float32)
+    import onnxruntime
+
+    want = onnxruntime.InferenceSession(str(fuse), providers=["CPUExecutionProvider"]).run(
+        None, {"aux_hidden_states": aux[None]})[0][0]
+    got = native.fuse(aux)
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+def test_the_branch_follows_the_target_and_the_layer(layers, trained_int4_bundle, monkeypatch):
+    m, layer, _, cfg = layers
+    monkeypatch.delenv("SPECRT_DRAFTER_LAYERS", raising=False)
+    assert layer_backend(layer, cfg, "native")[0] == "native"
+    assert layer_backend(layer, cfg, "ort") == ("ort", {"value": "ort", "forced": False,
+                                                        "chosen_by": "auto: the target runs on ort"})
+    (mtp, *_) = m.drafter("mtp", trained_int4_bundle)["graphs"]  # another kind's mix: ONNX Runtime
+    name, rec = layer_backend(m.onnx_path(trained_int4_bundle, mtp), m.graphs[mtp].config, "native")
+    assert name == "ort" and "EAGLE-3" in rec["chosen_by"]
+    monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", "ort")
+    assert layer_backend(layer, cfg, "native") == ("ort", {"value": "ort", "forced": True,
+                                                           "chosen_by": "SPECRT_DRAFTER_LAYERS"})
+    monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", "native")
+    assert layer_backend(layer, cfg, "ort")[0] == "native"  # forced: even under another target backend
+    with pytest.raises(SpecrtError, match="cannot run there: its mix is not EAGLE-3's"):
+        layer_backend(m.onnx_path(trained_int4_bundle, mtp), m.graphs[mtp].config, "native")
+
+
+@pytest.mark.parametrize("layers_on", ["native", "ort"])
+def test_eagle3_is_lossless_with_either_layer_backend(trained_int4_bundle, layers_on, monkeypatch):
+    from specrt.runtime.generate import Generator
+
+    monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", layers_on)
+    gen = Generator(trained_int4_bundle, drafter="eagle3", max_seq_len=256, backend="native")
+    assert gen.drafter.layer.backend == layers_on
+    plain = Generator(trained_int4_bundle, drafter="plain", max_seq_len=256, backend="native")
+    for prompt in ("Name three colours.", "Write one sentence about the sea."):
+        ids = gen.tokenizer.encode_prompt(prompt)
+        got, want = gen.generate_ids(ids, 48), plain.generate_ids(ids, 48)
+        assert got.token_ids == want.token_ids
+        assert got.stats.accepted > 0  # the layer really drafted
+        # each drafted step: one fuse and one catch-up pass, then one pass per further draft level
+        assert 2 * got.stats.steps <= got.stats.draft_calls <= got.stats.steps * (1 + gen.drafter.depth + 1)
