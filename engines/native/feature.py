@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from specrt.engines.native import calls, library
-from specrt.engines.native.runner import NativeDecoder
+from specrt.engines.native.runner import NativeDecoder, check_threads
 from specrt.engines.native.weights import PROJECTIONS, Linear, _nbits, rope_tables, unsupported
 from specrt.engines.tables import tensor_array
 from specrt.errors import SpecrtError
@@ -67,6 +67,7 @@ class NativeFeatureLayer(NativeDecoder):
         why = feature_layer_unsupported(path, cfg)
         if why:
             raise SpecrtError(f"{path}: the native backend cannot run this drafter layer: {why}")
+        check_threads(threads)
         self.lib = lib = library.load()
         self.kernel, self.kernel_record = library.kernel(kernel)
         self.path, self.cfg, self.capacity, self.batch, self.threads = Path(path), cfg, capacity, 1, threads

@@ -21,11 +21,20 @@ from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
 
+def check_threads(threads: int) -> None:
+    if not 1 <= int(threads) <= library.MAX_THREADS:
+        from specrt.runtime.machine import usable_cpus
+
+        raise SpecrtError(f"--threads {threads}: the native backend runs 1 to {library.MAX_THREADS} threads, and "
+                          f"more than the {usable_cpus()} CPUs here only slow it: use --threads {usable_cpus()}")
+
+
 class NativeDecoder(Decoder):
     def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1,
                  spin: bool = True, kernel: str = "auto"):
         if not Path(path).is_file():
             raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
+        check_threads(threads)
         self.lib = library.load()
         self.kernel, self.kernel_record = library.kernel(kernel)
         w = read(Path(path), cfg)

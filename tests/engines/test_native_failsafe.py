@@ -180,6 +180,12 @@ def test_threads_past_the_cpus_get_a_warning(int4, monkeypatch):
     assert Generator(int4, "plain", max_seq_len=64, threads=2, backend="native").notes == []
 
 
+def test_a_thread_count_past_the_native_limit_is_one_line(int4):
+    """--threads 100000 ran 21 s, then `terminate called ... std::system_error` (exit 134)."""
+    one_line_error(specrt("generate", int4, *PROMPT, "--backend", "native", "--threads", "100000"),
+                   "--threads 100000: the native backend runs 1 to 1024 threads", "use --threads")
+
+
 FAKE_CXX = """#!/bin/sh
 # a compiler that writes the library this test built: `-o OUT` is the output; counts its runs
 while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
