@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specrt.plugins import rejection_sample as rs
-from specrt.runtime.acceptance import Window, greedy, one_hot_rows, rejection
+from specrt.runtime.acceptance import Window, greedy, greedy_op, one_hot_rows, rejection
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.tree import Tree
 
@@ -44,11 +44,13 @@ def test_greedy_op_matches_reference(tree):
     for _ in range(150):
         logits = rng.normal(size=(tree.size, 6)).astype(np.float32)
         tokens = rng.integers(0, 6, tree.size)
-        got = greedy(Window(tokens, tree), logits, SamplingParams(), rng)
-        assert got == rs.greedy_accept_reference(logits, tokens, tree.parents)
+        want = rs.greedy_accept_reference(logits, tokens, tree.parents)
+        assert greedy_op(Window(tokens, tree), logits, SamplingParams(), rng) == want  # the ONNX function
+        assert greedy(Window(tokens, tree), logits, SamplingParams(), rng) == want  # the runtime's host walk
 
 
-def test_edge_cases():
+@pytest.mark.parametrize("greedy", [greedy, greedy_op], ids=["host_walk", "onnx_function"])
+def test_edge_cases(greedy):
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 0, 0]])  # window: 0 root, 1 (0), 2 (1), 3 (0,0), 4 (0,0,0)
     vocab, rng = 5, np.random.default_rng(0)
     logits = np.full((5, vocab), -10.0, np.float32)
