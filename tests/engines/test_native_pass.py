@@ -78,6 +78,32 @@ def test_every_kernel_computes_bitwise_the_same_outputs(bundle):
                 assert np.array_equal(a[name], b[name]), (kernel, name, np.abs(a[name] - b[name]).max())
 
 
+def test_models_sharing_the_process_pool_run_from_threads_of_their_own(bundle):
+    """Every model of a thread count runs on the process's one pool (csrc/pool.h shared_pool), one run at a
+    time: decoders driven from four threads at once give bitwise what each gives alone."""
+    import threading
+
+    alone = _session(decoder(bundle, "auto"), np.random.default_rng(9), 128)
+    decs = [decoder(bundle, "auto") for _ in range(4)]
+    got: dict[int, list] = {}
+    start = threading.Barrier(len(decs))
+
+    def drive(i):
+        start.wait()
+        got[i] = [_session(decs[i], np.random.default_rng(9), 128) for _ in range(3)]
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(len(decs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == len(decs)
+    for runs in got.values():
+        for outs in runs:
+            for a, b in zip(outs, alone, strict=True):
+                assert all(np.array_equal(a[k], b[k]) for k in b)
+
+
 def test_the_native_pass_computes_what_the_int4_graph_computes(bundle):
     """Both run the bundle's int4 weights with int8 activations per block of 32; they round differently,
     so the logits agree closely but not bitwise (each backend is its own exactness reference)."""

@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <system_error>
@@ -21,6 +23,19 @@ namespace spn {
 static Ops ops_for(Isa isa) { return isa == kScalar ? reference_ops() : avx2_ops(); }
 
 static thread_local std::string g_error;
+
+std::shared_ptr<Pool> shared_pool(int threads) {
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<Pool>> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  std::weak_ptr<Pool>& slot = pools[threads];
+  std::shared_ptr<Pool> pool = slot.lock();
+  if (!pool) {
+    pool = std::make_shared<Pool>(threads);
+    slot = pool;
+  }
+  return pool;
+}
 constexpr int kMaxThreads = 1024;  // more is a mistake, not a machine
 
 static void* aligned(size_t bytes) {
@@ -111,7 +126,7 @@ struct Model {
   std::vector<float> x, h, mixed, qkv, attn, gu, act, rows, scores;
   std::vector<int> extra;
   ActBuffer qa;
-  std::unique_ptr<Pool> pool;
+  std::shared_ptr<Pool> pool;  // shared_pool(threads): the process's one pool of that size
 };
 
 // Rows [lo, hi) of n for thread `tid` of `nt`: static and contiguous.
@@ -405,7 +420,7 @@ void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float ep
     m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V, m->feature = feature != 0;
     m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
     m->layers = std::vector<Layer>(L);
-    m->pool = std::make_unique<Pool>(threads);
+    m->pool = shared_pool(threads);
   } catch (const std::system_error& e) {  // a thread the system would not start
     g_error = "could not start " + std::to_string(threads) + " threads (" + e.what() + ")";
     return nullptr;
@@ -614,13 +629,10 @@ int spn_linear_run(void* h, int isa, int threads, int M, const float* x, int64_t
                  std::to_string(M) + " rows of " + dims("a projection", w->K, w->N)))
     return 1;
   static thread_local ActBuffer qa;
-  static thread_local std::unique_ptr<Pool> pool;
+  std::shared_ptr<Pool> pool;
   try {
     qa.reserve(M, w->K);
-    if (!pool || pool->size() != threads) {
-      pool.reset();
-      pool = std::make_unique<Pool>(threads);
-    }
+    pool = shared_pool(threads);
   } catch (const std::system_error& e) {
     g_error = "could not start " + std::to_string(threads) + " threads (" + e.what() + ")";
     return 1;

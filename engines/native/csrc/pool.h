@@ -2,11 +2,13 @@
 // and two runtimes spinning on two cores starve each other). `run(fn)` calls fn(tid, n) on n threads, the
 // caller being thread 0; `barrier()` inside fn waits for all n. Waiting spins briefly, then yields the core
 // (a sibling that was descheduled gets it back at once on a busy machine); idle workers sleep between runs,
-// so the ONNX Runtime drafter sessions of the same process keep the cores to themselves.
+// so the ONNX Runtime drafter sessions of the same process keep the cores to themselves. One pool per thread
+// count serves the whole process (shared_pool).
 #pragma once
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -19,6 +21,12 @@
 #endif
 
 namespace spn {
+
+class Pool;
+// The process's pool of `threads` threads, shared by every model and product that asks for that many (made
+// on first use, freed with its last user). Two pools would each keep a spinning worker after its run, and
+// on two cores the drafter's pass and the target's took the cores from each other.
+std::shared_ptr<Pool> shared_pool(int threads);
 
 class Pool {
  public:
@@ -39,7 +47,10 @@ class Pool {
 
   int size() const { return n_; }
 
+  // One run at a time: models of one process share a pool (shared_pool), and their callers may be threads
+  // of their own (a server's engine thread, a test's).
   void run(const std::function<void(int, int)>& fn) {
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
     if (n_ == 1) return fn(0, 1);
     job_ = &fn;
     done_.store(0, std::memory_order_relaxed);
@@ -105,6 +116,7 @@ class Pool {
   const int n_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
+  std::mutex run_mu_;
   std::condition_variable cv_;
   std::atomic<unsigned long> generation_{0};
   std::atomic<int> done_{0};
