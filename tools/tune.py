@@ -36,6 +36,8 @@ class Candidate:
             parts.append(f"tree={self.tree}" if self.tree not in (None, "chain") else f"k={self.num_draft_tokens}")
         if self.tree_nodes:
             parts.append(f"nodes={self.tree_nodes}")
+        if self.beam:
+            parts.append(f"beam={self.beam}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)
@@ -44,16 +46,21 @@ class Candidate:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+# Shapes run from one drafted row up: on a CPU a verify pass of 4 rows costs 1.4-1.6x one row and of 11 rows
+# about 2.5x (docs/performance.md), so the shortest drafts are often the fastest; a machine with a flatter
+# cost curve picks the wider ones.
 def _chain(d: str) -> list[Candidate]:
-    return [Candidate(d, k) for k in (2, 3, 4, 6)] + [Candidate(d, 6, adaptive=True)]
+    return [Candidate(d, k) for k in (1, 2, 3, 4, 6)] + [Candidate(d, 6, adaptive=True)]
 
 
 def _stored_tree(d: str) -> list[Candidate]:  # medusa: its exported tree, or chains
     return [Candidate(d)] + [Candidate(d, k, tree="chain") for k in (2, 3)] + [Candidate(d, 4, adaptive=True)]
 
 
-def _dynamic(d: str) -> list[Candidate]:  # EAGLE-2 style: node budget per step
-    return [Candidate(d, 5, tree_nodes=n) for n in (4, 6, 10)] + [Candidate(d, 5, tree_nodes=6, adaptive=True)]
+def _dynamic(d: str) -> list[Candidate]:  # EAGLE-2 style: node budget per step, from a chain of one row up
+    chains = [Candidate(d, k, tree_nodes=k, beam=1) for k in (1, 2, 3)]
+    return chains + [Candidate(d, 3, tree_nodes=4, beam=2)] + [Candidate(d, 5, tree_nodes=n) for n in (6, 10)] + \
+        [Candidate(d, 5, tree_nodes=6, adaptive=True)]
 
 
 def _chain_or_tree(d: str) -> list[Candidate]:  # suffix: chains, or a tree shape's limits for its own tree

@@ -67,6 +67,9 @@ def test_candidates_cover_depths_and_adaptive():
     got = candidates(["plain", "ngram", "eagle3", "medusa"])
     assert Candidate("ngram", 2) in got and Candidate("ngram", 6, adaptive=True) in got
     assert any(c.drafter == "eagle3" and c.tree_nodes for c in got)
+    # from one drafted row up: the shortest drafts are the fastest where a row costs much (docs/performance.md)
+    assert Candidate("ngram", 1) in got and Candidate("eagle3", 1, tree_nodes=1, beam=1) in got
+    assert max(c.tree_nodes or 0 for c in got if c.drafter == "eagle3") == 10
     assert Candidate("medusa") in got  # its exported tree
     assert all(c.drafter != "plain" for c in got)
 
