@@ -629,10 +629,12 @@ int spn_linear_run(void* h, int isa, int threads, int M, const float* x, int64_t
                  std::to_string(M) + " rows of " + dims("a projection", w->K, w->N)))
     return 1;
   static thread_local ActBuffer qa;
-  std::shared_ptr<Pool> pool;
+  // held by this calling thread, so a product run alone (no model alive) does not start and join its pool
+  // on every call
+  static thread_local std::shared_ptr<Pool> pool;
   try {
     qa.reserve(M, w->K);
-    pool = shared_pool(threads);
+    if (!pool || pool->size() != threads) pool = shared_pool(threads);
   } catch (const std::system_error& e) {
     g_error = "could not start " + std::to_string(threads) + " threads (" + e.what() + ")";
     return 1;
