@@ -59,6 +59,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
   for (int b = 0; b < w.blocks; ++b) {
+    for (int c = 0; c < 4; ++c)  // 4 KiB ahead, as tile_vnni
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (b + 16) * kTileBytes + c * 64), _MM_HINT_T0);
     __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups
     for (int c = 0; c < 4; ++c) {
       __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * kTileBytes + c * 64));
@@ -109,6 +111,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
   for (int b = 0; b < w.blocks; ++b) {
+    // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
+    // this block's rows compute, so the products of several rows overlap the memory traffic
+    for (int c = 0; c < 4; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (b + 16) * kTileBytes + c * 64), _MM_HINT_T0);
     __m512i wv[8];
     for (int c = 0; c < 4; ++c) {
       __m512i v = _mm512_load_si512(wp + b * kTileBytes + c * 64);
