@@ -23,10 +23,8 @@ from specrt.schema.config import DecoderConfig
 
 def check_threads(threads: int) -> None:
     if not 1 <= int(threads) <= library.MAX_THREADS:
-        from specrt.runtime.machine import usable_cpus
-
         raise SpecrtError(f"--threads {threads}: the native backend runs 1 to {library.MAX_THREADS} threads, and "
-                          f"more than the {usable_cpus()} CPUs here only slow it: use --threads {usable_cpus()}")
+                          "more than this machine's CPUs only slow it: use --threads $(nproc) or fewer")
 
 
 class NativeDecoder(Decoder):
