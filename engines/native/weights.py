@@ -56,6 +56,20 @@ def unsupported(cfg: DecoderConfig) -> str:
     return ", ".join(why for bad, why in checks if bad)
 
 
+def decoder_unsupported(path: Path, cfg: DecoderConfig) -> str:
+    """Why the decoder graph at `path` (a draft model) cannot run natively, as a phrase; "" when it can."""
+    why = unsupported(cfg)
+    if why:
+        return f"it computes {why}"
+    model = onnx.load(str(path), load_external_data=False)
+    names = {t.name for t in model.graph.initializer}
+    if any(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in names for n in model.graph.node):
+        return "it has float projections (export it with --quantize int4)"
+    if not any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        return "it has no int4 projections"
+    return ""
+
+
 def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("bits") != 4 or attrs.get("block_size") != 32 or len(node.input) > 3 and node.input[3]:

@@ -18,7 +18,7 @@ import numpy as np
 from specrt.engines.ort_cpu.runner import OrtDecoder
 from specrt.errors import SpecrtError
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
-from specrt.runtime.drafters.features import common_prefix
+from specrt.runtime.drafters.features import common_prefix, layer_backend
 from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.sampling import SamplingParams, top_desc, warp
 
@@ -35,8 +35,15 @@ class DraftModel(Drafter):
             raise SpecrtError(f"draft vocab {entry.config.vocab_size} != target vocab {target.config.vocab_size}: "
                               "the drafter must share the target's tokenizer")
         self.shape = ctx.tree
-        self.model = OrtDecoder(ctx.manifest.onnx_path(ctx.bundle, "draft"), entry.config,
-                                ctx.capacity + ctx.tree.size, ctx.threads, spin=False)
+        path, capacity = ctx.manifest.onnx_path(ctx.bundle, "draft"), ctx.capacity + ctx.tree.size
+        # an int4 draft model runs on the target's kernels when the target runs natively (`drafter_layers`)
+        self.backend, self.record = layer_backend(path, entry.config, ctx.backend, decoder=True)
+        if self.backend == "native":
+            from specrt.engines.native.runner import NativeDecoder
+
+            self.model = NativeDecoder(path, entry.config, capacity, ctx.threads)
+        else:
+            self.model = OrtDecoder(path, entry.config, capacity, ctx.threads, spin=False)
         self.cached: list[int] = []  # tokens whose K/V rows are valid in the draft cache
 
     def _run(self, ids: list[int], positions: np.ndarray, past: int, mask: np.ndarray, rows: list[int]) -> np.ndarray:

@@ -21,10 +21,12 @@ from specrt.schema.config import DecoderConfig
 NATIVE_TARGETS = ("native",)  # target backends whose drafters' layers run natively too, where they can
 
 
-def layer_backend(path, cfg: DecoderConfig, target_backend: str, requested: str = "auto") -> tuple[str, dict]:
+def layer_backend(path, cfg: DecoderConfig, target_backend: str, requested: str = "auto",
+                  decoder: bool = False) -> tuple[str, dict]:
     """Where a drafter layer graph runs, and the branch record (specrt/branches.py `drafter_layers`): under auto,
-    on the native kernels when the target does and the layer is one they compute (an int4 EAGLE-3 layer), else
-    on ONNX Runtime. Either way the target's verify decides every token: only the speed differs."""
+    on the native kernels when the target does and the graph is one they compute (an int4 EAGLE-3 layer, or
+    with `decoder` an int4 draft model), else on ONNX Runtime. Either way the target's verify decides every
+    token: only the speed differs."""
     from specrt.branches import pick, record
 
     choice = pick("drafter_layers", requested)
@@ -32,11 +34,12 @@ def layer_backend(path, cfg: DecoderConfig, target_backend: str, requested: str 
     if choice.value != "ort":
         from specrt.engines.native import library
         from specrt.engines.native.feature import feature_layer_unsupported
+        from specrt.engines.native.weights import decoder_unsupported
 
         if choice.value == "auto" and target_backend not in NATIVE_TARGETS:
             return "ort", record(choice, "ort", f"the target runs on {target_backend}")
-        why = ("no C++ compiler for the native kernels" if library.compiler() is None
-               else feature_layer_unsupported(path, cfg))
+        unsupported = decoder_unsupported if decoder else feature_layer_unsupported
+        why = "no C++ compiler for the native kernels" if library.compiler() is None else unsupported(path, cfg)
     if choice.value == "native" and why:
         raise SpecrtError(f"drafter layers forced native ({choice.forced_by}) but {path} cannot run there: {why}; "
                           "unset it or choose ort")

@@ -90,6 +90,7 @@ def exactness_summary(gen, result=None, sampling=None) -> dict:
 
 
 def _layer_of(drafter):
-    """The feature layer a learned drafter runs (its branch record says on which kernels), else None."""
-    layer = getattr(drafter, "layer", None) or next(iter(getattr(drafter, "layers", []) or []), None)
+    """The feature layer a learned drafter runs, or the draft model itself (its branch record says on which
+    kernels), else None."""
+    layer = getattr(drafter, "layer", None) or next(iter(getattr(drafter, "layers", []) or []), None) or drafter
     return layer if hasattr(layer, "record") else None

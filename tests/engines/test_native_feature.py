@@ -105,3 +105,26 @@ def test_eagle3_is_lossless_with_either_layer_backend(trained_int4_bundle, layer
         assert got.stats.accepted > 0  # the layer really drafted
         # each drafted step: one fuse and one catch-up pass, then one pass per further draft level
         assert 2 * got.stats.steps <= got.stats.draft_calls <= got.stats.steps * (1 + gen.drafter.depth + 1)
+
+
+@pytest.mark.parametrize("layers_on", ["native", "ort"])
+def test_the_draft_model_is_lossless_on_either_backend(trained_int4_bundle, layers_on, monkeypatch):
+    """The int4 draft model runs on the target's kernels under auto when the target does (`drafter_layers`,
+    decoder graphs too); forced either way, its drafts change speed only: output equals plain."""
+    from specrt.runtime.drafters.features import layer_backend
+    from specrt.runtime.generate import Generator
+
+    m = Manifest.load(trained_int4_bundle)
+    path, cfg = m.onnx_path(trained_int4_bundle, "draft"), m.graphs["draft"].config
+    monkeypatch.delenv("SPECRT_DRAFTER_LAYERS", raising=False)
+    assert layer_backend(path, cfg, "native", decoder=True)[0] == "native"
+    assert layer_backend(path, cfg, "ort", decoder=True)[0] == "ort"
+    monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", layers_on)
+    gen = Generator(trained_int4_bundle, drafter="draft", max_seq_len=256, backend="native", num_draft_tokens=3)
+    assert gen.drafter.backend == layers_on and gen.drafter.record["value"] == layers_on
+    plain = Generator(trained_int4_bundle, drafter="plain", max_seq_len=256, backend="native")
+    for prompt in ("Name three colours.", "Write one sentence about the sea."):
+        ids = gen.tokenizer.encode_prompt(prompt)
+        got, want = gen.generate_ids(ids, 40), plain.generate_ids(ids, 40)
+        assert got.token_ids == want.token_ids
+        assert got.stats.draft_calls >= got.stats.steps  # the draft model really ran
