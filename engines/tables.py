@@ -53,9 +53,7 @@ def initializer(path: Path, name: str) -> np.ndarray:
     model = onnx.load(str(path), load_external_data=False)
     for t in model.graph.initializer:
         if t.name == name:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                return _external(path, t)
-            arr = numpy_helper.to_array(t)
-            arr.flags.writeable = False
+            arr = tensor_array(path, t)
+            arr.flags.writeable = False  # a memmap is read-only already; an inline array is made so
             return arr
     raise SpecrtError(f"{path} has no initializer {name!r}: export the bundle again")

@@ -20,7 +20,13 @@ import onnx
 
 from specrt.engines.native import calls, library
 from specrt.engines.native.runner import NativeDecoder, check_threads
-from specrt.engines.native.weights import PROJECTIONS, Linear, _nbits, rope_tables, unsupported
+from specrt.engines.native.weights import (
+    PROJECTIONS,
+    float_projections,
+    int4_projection,
+    rope_tables,
+    unsupported,
+)
 from specrt.engines.tables import tensor_array
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
@@ -35,13 +41,6 @@ def _graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
     return model, inits, by_weight
 
 
-def _linear(path: Path, inits: dict, by_weight: dict, weight: str) -> Linear:
-    hits = [n for w, n in by_weight.items() if w.startswith(weight + "_")]
-    if len(hits) != 1:
-        raise SpecrtError(f"{path}: expected one int4 projection of {weight}, found {len(hits)}")
-    return _nbits(hits[0], inits, path)
-
-
 def feature_layer_unsupported(path: Path, cfg: DecoderConfig) -> str:
     """Why the drafter layer graph at `path` cannot run natively, as a phrase; "" when it can."""
     why = unsupported(cfg)
@@ -51,7 +50,7 @@ def feature_layer_unsupported(path: Path, cfg: DecoderConfig) -> str:
     names = {t.name for t in model.graph.initializer}
     if not all(n in names for n in MIX_NORMS):
         return "its mix is not EAGLE-3's (norm(embed) ‖ norm(feature))"
-    if any(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in names for n in model.graph.node):
+    if float_projections(model):
         return "it has float projections (export it with --quantize int4)"
     return ""
 
@@ -79,7 +78,7 @@ class NativeFeatureLayer(NativeDecoder):
         if embedding is None:
             raise SpecrtError(f"{path} reads inputs_embeds: the native layer needs the target's embedding table")
         self.embed = np.ascontiguousarray(embedding, np.float32)  # read in place (spn_use_embed): keep it alive
-        head = _linear(path, inits, by_weight, "lm_head.weight.T")
+        head = int4_projection(path, inits, by_weight, "lm_head.weight.T")
         self.vocab = head.n
         h = lib.spn_model_new(1, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                               self.embed.shape[0], float(cfg.rms_norm_eps), 1.0, library.KERNELS[self.kernel],
@@ -93,7 +92,7 @@ class NativeFeatureLayer(NativeDecoder):
         for which, w in enumerate(self._norms):
             ok &= calls.set_norm(lib, h, 0, which, w)
         for which, name in enumerate(PROJECTIONS):
-            ok &= calls.set_linear(lib, h, 0, which, _linear(path, inits, by_weight, f"layer.{name}.weight"))
+            ok &= calls.set_linear(lib, h, 0, which, int4_projection(path, inits, by_weight, f"layer.{name}.weight"))
         ok &= calls.set_linear(lib, h, -1, 0, head)
         self.rope_rows = capacity + 64
         ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
@@ -102,7 +101,7 @@ class NativeFeatureLayer(NativeDecoder):
         self._fuse = None
         if fuse_path is not None:
             _, finits, fweights = _graph(fuse_path)
-            fc = _linear(fuse_path, finits, fweights, "fc.weight")
+            fc = int4_projection(fuse_path, finits, fweights, "fc.weight")
             self._fuse = calls.linear_new(lib, fc)
             if not self._fuse:
                 raise SpecrtError(f"native backend: loading {fuse_path} failed: {library.last_error()}")

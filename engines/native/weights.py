@@ -56,14 +56,20 @@ def unsupported(cfg: DecoderConfig) -> str:
     return ", ".join(why for bad, why in checks if bad)
 
 
+def float_projections(model: onnx.ModelProto) -> list[str]:
+    """The graph's float MatMul / Gemm nodes over a weight: what the native kernels do not run."""
+    names = {t.name for t in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
+            and n.input[1] in names]
+
+
 def decoder_unsupported(path: Path, cfg: DecoderConfig) -> str:
     """Why the decoder graph at `path` (a draft model) cannot run natively, as a phrase; "" when it can."""
     why = unsupported(cfg)
     if why:
         return f"it computes {why}"
     model = onnx.load(str(path), load_external_data=False)
-    names = {t.name for t in model.graph.initializer}
-    if any(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in names for n in model.graph.node):
+    if float_projections(model):
         return "it has float projections (export it with --quantize int4)"
     if not any(n.op_type == "MatMulNBits" for n in model.graph.node):
         return "it has no int4 projections"
@@ -86,12 +92,22 @@ def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
                   np.ascontiguousarray(scales, np.float32).reshape(n, blocks))
 
 
+def int4_projection(path: Path, inits: dict, by_weight: dict, weight: str) -> Linear:
+    """The int4 projection quantized from initializer `weight` (the quantizer names it `<weight>_Q4`);
+    `by_weight`: the graph's MatMulNBits nodes by their weight input."""
+    hits = [n for w, n in by_weight.items() if w.startswith(weight + "_")]
+    if len(hits) != 1:
+        raise SpecrtError(f"{path}: expected one int4 projection of {weight}, found {len(hits)}: export the "
+                          "bundle again")
+    return _nbits(hits[0], inits, path)
+
+
 def _mismatch(path: Path, field: str, said, held, what: str) -> SpecrtError:
     return SpecrtError(f"manifest.json's target {field} is {said} but {path} holds {what} {held}: the manifest does not "
                        "describe its graph; restore manifest.json or export the bundle again")
 
 
-def check_shapes(path: Path, cfg: DecoderConfig, w: Weights, graph_layers: int) -> None:
+def check_shapes(path: Path, cfg: DecoderConfig, w: Weights) -> None:
     """Every dimension of `cfg` against the shapes `w` really has, before any of it reaches the C side: a
     manifest edited or mismatched is named by its field, never run as a model of other shapes."""
     H, nq = cfg.hidden_size, cfg.num_heads * cfg.head_dim
@@ -101,8 +117,6 @@ def check_shapes(path: Path, cfg: DecoderConfig, w: Weights, graph_layers: int) 
         raise SpecrtError(f"manifest.json's target config has a dimension below 1 ({cfg.num_layers} layers, hidden "
                           f"{H}, heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, intermediate "
                           f"{cfg.intermediate_size}, vocab {cfg.vocab_size}): restore manifest.json")
-    if cfg.num_layers != graph_layers:
-        raise _mismatch(path, "num_layers", cfg.num_layers, graph_layers, "layers:")
     V, width = w.embed.shape
     if width != H:
         raise _mismatch(path, "hidden_size", H, f"{V} x {width}", "an embedding table of")
@@ -143,19 +157,13 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
         return np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)
 
     by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
-    plain = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
-             and n.input[1] in inits]
+    plain = float_projections(model)
     if plain or not by_weight:
         raise SpecrtError(f"{path} has float projections ({(plain or ['no MatMulNBits'])[0]}): the native backend "
                           "runs int4 bundles (`specrt export --quantize int4`); use --backend ort")
 
     def linear(weight: str, bias: str = "") -> Linear:
-        """The int4 projection quantized from initializer `weight` (the quantizer names it `<weight>_Q4`)."""
-        hits = [n for w, n in by_weight.items() if w.startswith(weight + "_")]
-        if len(hits) != 1:
-            raise SpecrtError(f"{path}: expected one int4 projection of {weight}, found {len(hits)}: export the "
-                              "bundle again")
-        lin = _nbits(hits[0], inits, path)
+        lin = int4_projection(path, inits, by_weight, weight)
         if bias in inits:
             lin.bias = np.ascontiguousarray(arr(bias))
         return lin
@@ -183,7 +191,7 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     w = Weights(arr("model.embed_tokens.weight"), norms, arr("model.norm.weight"), layers, head, taps)
     if len(w.embed.shape) != 2:
         raise SpecrtError(f"{path}: model.embed_tokens.weight is not a table: export the bundle again")
-    check_shapes(path, cfg, w, graph_layers)
+    check_shapes(path, cfg, w)
     return w
 
 
