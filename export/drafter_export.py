@@ -8,6 +8,7 @@ then a small tree) before the bundle is renamed into place.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -93,5 +94,19 @@ def export_drafter(module, tmp: Path, target_cfg, source: str, check_parity: boo
         if worst > PARITY_TOLERANCE:
             raise SpecrtError(f"{role} graph parity failed: max |Δ| {worst:.2e} > {PARITY_TOLERANCE}; please report this")
     entry = {"kind": kind, "config": asdict(module.cfg), "source": source, **extra,
-             "graphs": list(graphs), "parity_max_abs": parity}
+             "graphs": list(graphs), "parity_max_abs": parity, **trained_acceptance(source)}
     return graphs, entry
+
+
+def trained_acceptance(source: str) -> dict:
+    """{"acceptance_by_depth": [a_1, ...]}: the held-out top-1 agreement by draft step that training recorded
+    in the drafter folder's metrics.json (the prior runtime/shapes.py sizes default drafts by); {} where
+    there is none (a public checkpoint, a random drafter)."""
+    path = Path(source) / "metrics.json"
+    try:
+        accs = json.loads(path.read_text())["final"]["top1_per_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(accs, list) or not accs or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in accs):
+        return {}
+    return {"acceptance_by_depth": [round(float(a), 4) for a in accs]}

@@ -4,7 +4,11 @@ The controller keeps, from the steps so far of this generation:
   a_d   acceptance at depth d given that depth d-1 was accepted (decayed counts, prior 1/2)
   n_d   window nodes a proposal cut at depth d has (trees: more than d)
   T_v(n), T_p(γ)  seconds of a verify pass over n window rows, of proposing up to depth γ
-                  (least-squares lines over recent steps; plain steps measure T_v(1))
+                  (least-squares lines over recent steps; plain steps measure T_v(1)). Given the
+                  machine's measured cost curve (runtime/costs.py), T_v(n) is the recent passes' mean
+                  where enough were n rows, else that curve scaled to the recent steps: a pass's cost is
+                  flat over a few rows and then steep on a CPU, which no line fits, and a line through
+                  one-row and five-row passes prices a two-row pass far too high
 and chooses γ ∈ {0, …, k} maximising expected committed tokens per second,
     (1 + Σ_{d≤γ} Π_{i≤d} a_i) / (T_p(γ) + T_v(1 + n_γ)),
 γ = 0 being plain decoding. While plain wins, speculation is probed at depth 1 after `probe_every`
@@ -47,6 +51,30 @@ class _Line:
         return max(a + b * x, 1e-6)
 
 
+class _ScaledCurve:
+    """T_v(n) from the machine's measured curve and the running generation's passes: the mean of the recent
+    passes over n rows where at least `enough` were seen, else s · curve(n) with s fitted by least squares
+    through the origin to every recent pass (s = 1 before the first). The curve gives the shape where the
+    steps have not measured it; what the steps measure wins where they have (a busy machine's costs move)."""
+
+    def __init__(self, curve, window: int = 48, enough: int = 4):
+        self.curve, self.enough = curve, enough
+        self.pts: deque[tuple[float, float]] = deque(maxlen=window)  # (rows, seconds)
+
+    def add(self, x: float, y: float) -> None:
+        self.pts.append((float(x), y))
+
+    def __call__(self, x: float) -> float:
+        if not self.pts:
+            return self.curve(x)
+        n, y = np.array(self.pts).T
+        here = n == x
+        if here.sum() >= self.enough:
+            return max(float(y[here].mean()), 1e-6)
+        c = np.array([self.curve(v) for v in n])
+        return max(float((c * y).sum() / (c * c).sum()) * self.curve(x), 1e-6)
+
+
 @dataclass
 class Decision:
     depth: int
@@ -55,7 +83,8 @@ class Decision:
 
 class AdaptiveDepth:
     def __init__(self, max_depth: int, decay: float = 0.95, probe_every: int = 8, warmup: int = 3,
-                 max_probe_every: int = 64):
+                 max_probe_every: int = 64, curve=None):
+        """`curve`: the verify cost curve measured on this machine (runtime/costs.py; None: a line)."""
         self.k = max_depth
         self.decay, self.warmup = decay, warmup
         self.probe_every, self.base_probe, self.max_probe = probe_every, probe_every, max_probe_every
@@ -63,7 +92,8 @@ class AdaptiveDepth:
         self.reached = np.ones(max_depth)  # decayed counts: steps that drafted depth d with d-1 accepted
         self.passed = np.full(max_depth, 0.5)  # … and accepted depth d (prior a_d = 1/2)
         self.nodes = np.arange(1, max_depth + 1, dtype=float)  # window nodes up to depth d (chain prior)
-        self.verify, self.propose = _Line(), _Line()
+        self.verify = _ScaledCurve(curve) if curve is not None else _Line()
+        self.propose = _Line()
         self.steps = self.since_spec = 0
         self.spec_steps = 0  # steps that drafted (the measurements behind the acceptance and T_p)
 

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.clock import Clock
+from specrt.runtime.costs import CostCurve
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.payoff import AUTO, PLAIN, DrafterChoice, Pick
@@ -50,7 +52,7 @@ class Generator:
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "auto",
                  exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False,
                  auto_candidates: Iterable[str] | None = None, clock: Clock = time.perf_counter,
-                 **drafter_options):
+                 costs: CostCurve | str | None = "auto", **drafter_options):
         """`drafter` "auto": each request runs the candidate drafter (`auto_candidates`, default every
         drafter the bundle has) whose measured pay-off is highest, with adaptive depth, or plain decoding.
 
@@ -64,8 +66,16 @@ class Generator:
         changed since they were last verified on this machine (schema/integrity.py).
 
         `clock`: what its sequences, and a serving scheduler over it, measure the seconds they decide
-        from by (runtime/clock.py; a test's `FakeClock`)."""
+        from by (runtime/clock.py; a test's `FakeClock`). `costs`: the verify cost curve that adaptive depth and
+        the default dynamic-tree shape price passes by (runtime/costs.py): "auto" measures this machine's
+        (cached) where `clock` is the real one; a test's clock scripts every second, so it gets none unless
+        it gives a `CostCurve`; None: none (adaptive depth fits a line to the steps)."""
         self.clock = clock
+        if costs == "auto":
+            costs = "measure" if clock is time.perf_counter else None
+        elif costs is not None and not isinstance(costs, CostCurve):
+            raise SpecrtError(f"costs {costs!r}: give \"auto\", None or a CostCurve (runtime/costs.py)")
+        self._costs = costs
         self.model = TargetModel(bundle, max_seq_len, threads, backend, exec_mode, slots, allow_inexact, verify)
         self.acceptance = acceptance
         self.state = self.new_state()  # slot 0's target state (`generate` and the scheduler's slot 0)
@@ -90,6 +100,10 @@ class Generator:
 
     def note(self, text: str) -> None:
         self.model.note(text)
+
+    def cost_curve(self) -> CostCurve | None:
+        """The verify cost curve this generator prices draft shapes by (None: none; see `costs`)."""
+        return self.model.cost_curve() if self._costs == "measure" else self._costs
 
     def new_state(self) -> TargetState:
         return self.model.new_state()
@@ -128,7 +142,7 @@ class Generator:
     def _settle(self, settings: SpecSettings) -> None:
         """New settings: a new pool, so no drafter or controller built with other settings is reused."""
         self.settings = settings
-        self.pool = DrafterPool(self.model, settings, self.auto_candidates)
+        self.pool = DrafterPool(self.model, settings, self.auto_candidates, self.cost_curve)
         self.scope: str | None = None  # whose drafter instances `use` picks (see `use`)
         self.choice: DrafterChoice | None = None  # set while `auto` is in use: the per-request choice
         self.auto_tree: str | None = None  # the tree shape auto's drafters use

@@ -8,11 +8,12 @@ so one engine's memory of earlier sequences (suffix's store) never drafts for an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.costs import CostCurve
 from specrt.runtime.drafters import Drafter, DrafterContext, make_drafter
 from specrt.runtime.payoff import PLAIN, DrafterChoice, Pick, payoff
 from specrt.runtime.settings import SpecSettings
@@ -47,8 +48,11 @@ def candidates(model: TargetModel, names: Iterable[str] | None = None) -> list[s
 
 
 class DrafterPool:
-    def __init__(self, model: TargetModel, settings: SpecSettings, auto_candidates: list[str]):
-        self.model, self.settings, self.auto_candidates = model, settings, auto_candidates
+    def __init__(self, model: TargetModel, settings: SpecSettings, auto_candidates: list[str],
+                 costs: Callable[[], CostCurve | None] = lambda: None):
+        """`costs`: the verify cost curve batch-1 controllers price passes by (runtime/costs.py; None: a line
+        fitted to the steps)."""
+        self.model, self.settings, self.auto_candidates, self.costs = model, settings, auto_candidates, costs
         self._instances: dict[Key, tuple[Drafter, Tree]] = {}
         self._controls: dict[Key, AdaptiveDepth] = {}
         self._choices: dict[tuple[str | None, bool], DrafterChoice] = {}  # (tree, serving) -> auto's choice
@@ -60,7 +64,7 @@ class DrafterPool:
         shape = self.settings.shape_for(drafter, tree, self.model.manifest)
         m = self.model
         ctx = DrafterContext(m.bundle, m.manifest, m.capacity, m.threads, shape, dict(self.settings.drafter_options),
-                             m.backend)
+                             m.backend, self.costs, m.note)
         return make_drafter(drafter, ctx), shape
 
     def get(self, key: Key) -> tuple[Drafter, Tree]:
@@ -73,7 +77,7 @@ class DrafterPool:
         """The adaptive-depth controller of `key`'s drafter, begun for a new sequence and kept across
         generations: the costs it measured carry over, its acceptance counts at half weight."""
         if key not in self._controls:
-            self._controls[key] = AdaptiveDepth(self.settings.depth_of(self.get(key)[1]))
+            self._controls[key] = AdaptiveDepth(self.settings.depth_of(self.get(key)[1]), curve=self.costs())
         return self._controls[key].begin()
 
     def forget(self) -> None:

@@ -77,6 +77,16 @@ class TargetModel:
         self.decoder = shaped(open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots),
                               mode)
 
+    def cost_curve(self):
+        """What a verify pass of n rows costs here (runtime/costs.py): this machine's cached curve, else
+        measured now on a decoder of its own; looked up once per target."""
+        if getattr(self, "_curve", None) is None:
+            from specrt.runtime.costs import load
+
+            self._curve, self.curve_source = load(self.bundle, self.manifest, self.threads, self.backend,
+                                                  self.exactness.mode, self.capacity)
+        return self._curve
+
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)

@@ -14,6 +14,7 @@ stochastic drafts, the distribution each node was drawn from. A chain is the one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,8 @@ class DrafterContext:
     tree: Tree
     options: dict
     backend: str = "ort"  # the target's backend (engines/registry.py): where feature layers may run natively
+    costs: Callable[[], object] = lambda: None  # the verify cost curve here (runtime/costs.py), or None
+    note: Callable[[str], None] = lambda text: None  # a one-line notice for the user (TargetModel.note)
 
     def target_embedding(self) -> np.ndarray:
         """The target graph's embedding table [V, H], mapped read-only from its data file (engines/tables.py):
@@ -102,6 +105,7 @@ class Drafter:
 
     name: str
     needs_hidden = False  # True: `observe` needs the target's hidden states (learned feature drafters)
+    chosen = None  # the shape this drafter sized to the machine's costs (runtime/shapes.py), where it did
 
     @property
     def engine_calls(self) -> int:

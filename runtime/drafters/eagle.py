@@ -9,7 +9,10 @@ only), logits computed for the newest level only.
     eagle    static tree (the generator's --tree), children = top-r (greedy) or i.i.d. draws
     eagle2   dynamic tree (EAGLE-2): expand the `beam` best nodes per depth by cumulative draft
              probability, keep the `tree_nodes` best of all candidates (greedy; with sampling the
-             static tree is used, since value-based pruning of sampled children is not lossless)
+             static tree is used, since value-based pruning of sampled children is not lossless).
+             Given neither, the drafter runs the chain runtime/shapes.py sizes to this machine's verify
+             costs and the head's acceptance (a CPU: one or two drafts), where the generator has a cost
+             curve (runtime/costs.py); else a tree of DEFAULT_TREE_NODES nodes, DEFAULT_BEAM wide
     eagle3   EAGLE-3 weights (fused low/mid/high target features, reduced vocabulary) with the
              EAGLE-2 dynamic tree
 """
@@ -23,6 +26,7 @@ from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.drafters.static_tree import expand_static
 from specrt.runtime.drafters.vocab import DraftVocab
 from specrt.runtime.sampling import SamplingParams, top_desc
+from specrt.runtime.shapes import Shape, chain_shape, layer_weights
 
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
 
@@ -69,13 +73,31 @@ class EagleDrafter(Drafter):
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
         cfg = ctx.manifest.graphs[entry["graphs"][0]].config
+        self.vocab = DraftVocab.of(ctx, entry)  # the head's draft vocabulary (EAGLE-3's always)
+        self.chosen: Shape | None = None
+        if self.dynamic and not (ctx.options.get("beam") or ctx.options.get("tree_nodes")):
+            self._size_to_costs(ctx, entry, cfg)
         graphs = [ctx.manifest.onnx_path(ctx.bundle, g) for g in entry["graphs"]]
         self.layer = FeatureLayer(graphs[0], cfg, ctx.capacity + self.scratch_rows(), ctx.threads, ctx.backend,
                                   graphs[1] if len(graphs) > 1 else None, ctx.target_embedding)
-        self.vocab = DraftVocab.of(ctx, entry)  # the head's draft vocabulary (EAGLE-3's always)
         self.state: TargetState | None = None
 
     needs_hidden = True
+
+    def _size_to_costs(self, ctx: DrafterContext, entry: dict, cfg) -> None:
+        """No shape given: the chain runtime/shapes.py prices best on this machine's verify curve (where the
+        generator has one; else EAGLE-2's tree of DEFAULT_TREE_NODES nodes, DEFAULT_BEAM wide)."""
+        curve = ctx.costs()
+        if curve is None:
+            return
+        target = ctx.manifest.target.config
+        # a draft step: one layer over [embedding; feature] (EAGLE-3's q/k/v read both; EAGLE-1/2's fc does)
+        # and the head over the draft vocabulary, against the whole target
+        share = layer_weights(cfg, 2 * cfg.hidden_size, len(self.vocab), 1) / \
+            layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
+        self.chosen = chain_shape(curve, entry, share, self.depth)
+        self.beam, self.tree_nodes, self.depth = self.chosen.beam, self.chosen.nodes, self.chosen.depth
+        ctx.note(self.chosen.describe(self.name, curve))
 
     def scratch_rows(self) -> int:
         """Feature-layer rows a step's drafted nodes may take after the committed ones (which end

@@ -51,7 +51,8 @@ def command(bundle, prompt, drafter, max_new_tokens, raw, as_json, temperature, 
                                "finish_reason": result.finish_reason, "lossy": result.lossy,
                                "lossless": result.lossless, "exactness": exactness_summary(gen, result, sampling),
                                "stats": stats,
-                               **({"auto": gen.last_pick.to_dict()} if gen.choice is not None else {})}))
+                               **({"auto": gen.last_pick.to_dict()} if gen.choice is not None else {}),
+                               **({"shape": gen.drafter.chosen.to_dict()} if gen.drafter.chosen else {})}))
     else:
         stream = TextStream(gen, ids, max_new_tokens, sampling)
         for piece in stream:

@@ -107,9 +107,11 @@ def runtime_options(f):
                      help="suffix drafter: the least path probability (its continuation counts) a drafted node "
                           "may have (default 0.1)."),
         click.option("--tree-nodes", type=click.IntRange(min=1, max=64), default=None,
-                     help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default 10)."),
+                     help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default, with no --beam "
+                          "either: a chain sized to this machine's verify costs and the head's acceptance)."),
         click.option("--beam", type=click.IntRange(min=1, max=16), default=None,
-                     help="eagle2/eagle3 dynamic tree: nodes expanded per depth, children per node (default 4)."),
+                     help="eagle2/eagle3 dynamic tree: nodes expanded per depth, children per node (default 4 "
+                          "where --tree-nodes is given; with neither, a chain sized to this machine)."),
         click.option("--exec-mode", type=click.Choice(["auto", *EXEC_MODES]), default="auto", show_default=True,
                      help="How target passes are shaped: auto picks the cheapest mode measured batch-invariant on "
                           "this machine (direct: as asked; padN: every pass at least N rows)."),

@@ -27,6 +27,7 @@ from specrt.schema.checks import (
     check_fields,
     check_object,
     is_int,
+    is_number,
     list_of,
 )
 from specrt.schema.config import validate_config
@@ -48,8 +49,9 @@ TOKENIZER_OPTIONAL = ("chat_template", "bos_token", "eos_token", "add_bos_token"
 DRAFTER = {"kind": NON_EMPTY_TEXT, "graphs": Check("a non-empty list of graph names", list_of(
                lambda x: isinstance(x, str), non_empty=True)),
            "config": OBJECT, "vocab_ids": BUNDLE_PATH, "taps": INT_LIST,
-           "tree": Check("a list of paths (lists of integers >= 0)", list_of(list_of(lambda x: is_int(x) and x >= 0)))}
-DRAFTER_OPTIONAL = ("vocab_ids", "taps", "tree")
+           "tree": Check("a list of paths (lists of integers >= 0)", list_of(list_of(lambda x: is_int(x) and x >= 0))),
+           "acceptance_by_depth": Check("a list of numbers in 0..1", list_of(lambda x: is_number(x) and 0 <= x <= 1))}
+DRAFTER_OPTIONAL = ("vocab_ids", "taps", "tree", "acceptance_by_depth")
 
 # artifacts written by `specrt build` / export: (key pattern, check); "*" is any key at that level
 ARTIFACT_FIELDS: tuple[tuple[tuple[str, ...], Check], ...] = (

@@ -86,6 +86,20 @@ def test_speculative_greedy_equals_plain(reference, bundle, drafter, tree):
     assert drafted > 0
 
 
+@pytest.mark.parametrize("drafter", ["eagle2", "eagle3"])
+def test_dynamic_tree_greedy_equals_plain(reference, bundles, drafter):
+    """EAGLE-2's dynamic tree (10 nodes, beam 4), as `--tree-nodes 10 --beam 4` asks for it: the default
+    shape is a chain sized to the machine (runtime/shapes.py), so the tree is held to plain output here, on
+    every other prompt of the int4 bundle."""
+    _, ids, plain = reference["int4"]
+    gen = Generator(bundles["int4"], drafter, max_seq_len=512, num_draft_tokens=4, tree_nodes=10, beam=4)
+    assert gen.drafter.chosen is None and (gen.drafter.beam, gen.drafter.tree_nodes) == (4, 10)
+    for i, (x, want) in list(enumerate(zip(ids, plain, strict=True)))[::2]:
+        res = gen.generate_ids(x, NEW_TOKENS)
+        assert res.token_ids == want, f"{drafter} tree, prompt {i}"
+        assert res.stats.drafted > res.stats.steps  # more than one node a step: a tree, not a chain
+
+
 @pytest.mark.covers("serving")
 @pytest.mark.parametrize("bundle,drafter", SERVED, ids=[f"{b}-{d}" for b, d in SERVED])
 def test_batched_serving_equals_plain(reference, bundles, bundle, drafter):

@@ -49,6 +49,9 @@ BAD = [  # (edit, field named, what it must be, the value as shown)
     (lambda d: d.update(tokenizer="tokenizer.json"), "tokenizer", "an object", "'tokenizer.json'"),
     (lambda d: d.update(drafters={"medusa": {"kind": "medusa", "graphs": ["medusa"], "config": {}}}),
      "drafters.medusa.graphs", "names of entries in graphs (target)", "['medusa']"),
+    (lambda d: d.update(drafters={"eagle3": {"kind": "eagle3", "graphs": ["target"], "config": {},
+                                             "acceptance_by_depth": [0.4, 1.5]}}),
+     "drafters.eagle3.acceptance_by_depth", "a list of numbers in 0..1", "[0.4, 1.5]"),
 ]
 
 
