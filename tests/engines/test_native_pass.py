@@ -62,6 +62,11 @@ def _session(dec, rng, vocab):
     dec.select(0, 2)
     outs.append(dec.run_all(*pack_windows([Pass(rng.integers(0, vocab, 3), p, Tree.chain(2), np.arange(3))
                                            for p in (43, 11)])))
+    # a long prefix (several of the attention's key blocks and a tail), then a tree window over it: the
+    # queries of a key/value head read the cache together (Ops::attend_many)
+    dec.select(0, 1)
+    outs.append(dec.run_all(*pack_windows([Pass(rng.integers(0, vocab, 101), 46, Tree.chain(100), np.arange(101))])))
+    outs.append(dec.run_all(*pack_windows([Pass(rng.integers(0, vocab, 6), 147, tree, np.arange(6))])))
     return [{k: v.copy() for k, v in o.items()} for o in outs]
 
 

@@ -124,7 +124,11 @@ struct Model {
   std::vector<int> taps;
   // scratch, grown to the largest pass seen
   std::vector<float> x, h, mixed, qkv, attn, gu, act, rows, scores;
-  std::vector<int> extra;
+  std::vector<int> extra, extra_n, att_n;
+  std::vector<const float*> att_q;
+  std::vector<float*> att_out;
+  std::vector<const int*> att_extra;
+  size_t att_per_thread = 0;
   ActBuffer qa;
   std::shared_ptr<Pool> pool;  // shared_pool(threads): the process's one pool of that size
 };
@@ -179,8 +183,16 @@ static void reserve(Model& m, const PassArgs& p, int max_k) {
   m.rows.resize(static_cast<size_t>(p.B) * p.R * H);
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
-  m.scores.resize(static_cast<size_t>(m.threads) * (max_past + p.T));
-  m.extra.resize(static_cast<size_t>(m.threads) * p.T);
+  // attention scratch per thread: a part of a group holds at most T * (nh / kvh) queries
+  m.att_per_thread = static_cast<size_t>(p.T) * (m.nh / m.kvh);
+  const size_t q_slots = static_cast<size_t>(m.threads) * m.att_per_thread;
+  m.scores.resize(q_slots * (max_past + p.T + 1));
+  m.att_q.resize(q_slots);
+  m.att_out.resize(q_slots);
+  m.att_extra.resize(q_slots);
+  m.att_n.resize(q_slots);
+  m.extra.resize(static_cast<size_t>(m.threads) * p.T * p.T);
+  m.extra_n.resize(static_cast<size_t>(m.threads) * p.T);
   m.qa.reserve(M > p.B * p.R ? M : p.B * p.R, max_k);
 }
 
@@ -213,25 +225,48 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
     }
   }
 pool.barrier();
-  {  // attention: (row, query head) items split over threads
-    int alo, ahi;
-    share(M * m.nh, tid, nt, alo, ahi);
-    float* scores = m.scores.data() + static_cast<size_t>(tid) * (max_past + p.T);
-    int* extra = m.extra.data() + static_cast<size_t>(tid) * p.T;
-    int last_row = -1, n_extra = 0;
-    for (int item = alo; item < ahi; ++item) {
-      int r = item / m.nh, qh = item % m.nh, b = r / p.T, t = r % p.T, kh = qh / groups;
+  {  // attention: each sequence's key/value heads, the queries sharing one (its group's heads over every row of
+     // the window) read its cache rows together; a group is split in parts where there are fewer groups than
+     // twice the threads, so one-row passes still keep every thread busy. A query computes the same values
+     // whichever part it is in (Ops::attend_many).
+    const int per_group = p.T * groups, n_groups = p.B * m.kvh;
+    const int parts = n_groups >= 2 * nt ? 1 : (2 * nt + n_groups - 1) / n_groups;
+    const int lds = max_past + p.T + 1;
+    int ulo, uhi;
+    share(n_groups * parts, tid, nt, ulo, uhi);
+    const size_t base = static_cast<size_t>(tid) * m.att_per_thread;
+    float* scores = m.scores.data() + base * lds;
+    const float** qs = m.att_q.data() + base;
+    float** outs = m.att_out.data() + base;
+    const int** extras = m.att_extra.data() + base;
+    int* n_extra = m.att_n.data() + base;
+    int* rows_extra = m.extra.data() + static_cast<size_t>(tid) * p.T * p.T;  // row t's window rows: t * T..
+    int* rows_n = m.extra_n.data() + static_cast<size_t>(tid) * p.T;
+    int last_b = -1;
+    for (int unit = ulo; unit < uhi; ++unit) {
+      const int g = unit / parts, part = unit % parts, b = g / m.kvh, kh = g % m.kvh;
       const int prefix = static_cast<int>(p.past[b]);
-      if (r != last_row) {
-        n_extra = 0;
-        const uint8_t* mrow = p.mask + (static_cast<size_t>(b) * p.T + t) * p.T;
-        for (int u = 0; u < p.T; ++u)
-          if (mrow[u]) extra[n_extra++] = prefix + u;
-        last_row = r;
+      if (b != last_b) {  // each row's visible window rows (a tree row's ancestors), ascending
+        for (int t = 0; t < p.T; ++t) {
+          const uint8_t* mrow = p.mask + (static_cast<size_t>(b) * p.T + t) * p.T;
+          int n = 0;
+          for (int u = 0; u < p.T; ++u)
+            if (mrow[u]) rows_extra[t * p.T + n++] = prefix + u;
+          rows_n[t] = n;
+        }
+        last_b = b;
+      }
+      const int qlo = static_cast<int>(static_cast<long long>(per_group) * part / parts);
+      const int qhi = static_cast<int>(static_cast<long long>(per_group) * (part + 1) / parts);
+      for (int i = qlo; i < qhi; ++i) {
+        const int t = i / groups, qh = kh * groups + i % groups, r = b * p.T + t;
+        qs[i - qlo] = m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d;
+        outs[i - qlo] = m.attn.data() + static_cast<size_t>(r) * nq + qh * d;
+        extras[i - qlo] = rows_extra + t * p.T;
+        n_extra[i - qlo] = rows_n[t];
       }
       size_t off = static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * d;
-      ops.attend(m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d, kc + off, vc + off, d, prefix, extra,
-                 n_extra, scores, m.attn.data() + static_cast<size_t>(r) * nq + qh * d);
+      ops.attend_many(qs, qhi - qlo, kc + off, vc + off, d, prefix, extras, n_extra, scores, lds, outs);
     }
   }
 pool.barrier();

@@ -9,8 +9,11 @@ struct Ops {
   void (*rmsnorm_row)(const float* x, int H, const float* w, float eps, float* out);
   void (*quantize_row)(const float* x, int K, QAct& a, int row);
   void (*rope_row)(float* x, int heads, int d, const float* cs, const float* sn);
-  void (*attend)(const float* q, const float* kc, const float* vc, int d, int prefix, const int* extra,
-                 int n_extra, float* scores, float* out);
+  // Attention of `nq` queries that share one key/value head (a GQA group's query heads, over every row of a
+  // window): query i computes exactly ops.inc's attend(q[i], ..., extra[i], n_extra[i], scores + i * ld_scores,
+  // out[i]); a table may read each shared cache row once for all of them
+  void (*attend_many)(const float* const* q, int nq, const float* kc, const float* vc, int d, int prefix,
+                      const int* const* extra, const int* n_extra, float* scores, int ld_scores, float* const* out);
   void (*silu_mul_row)(const float* gu, int I, float* out);
   void (*add_row)(float* x, const float* y, int H);
 };

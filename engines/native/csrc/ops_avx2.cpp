@@ -43,59 +43,105 @@ static inline __m256 hsum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <int C>  // C = d / 8 chunks of the head
-static void attend_fast(const float* q, const float* kc, const float* vc, int prefix, const int* extra,
-                        int n_extra, float* scores, float* out) {
-  constexpr int d = 8 * C;
-  const int n = prefix + n_extra;
-  auto row = [&](const float* base, int j) { return base + static_cast<size_t>(j < prefix ? j : extra[j - prefix]) * d; };
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {  // dot_c of 8 keys
-    __m256 acc[8];
-    const float* kp[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps(), kp[i] = row(kc, j + i);
-    for (int c = 0; c < C; ++c) {
-      __m256 qc = _mm256_loadu_ps(q + 8 * c);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[i] + 8 * c), acc[i]);
-    }
-    _mm256_storeu_ps(scores + j, hsum8x8(acc));
+// 8 keys' scores at once: dot_c of q with each of the 8 rows `kp` (lane l of a chunk is dot_c's accumulator l),
+// reduced in hsum8's order.
+template <int C>
+static inline void scores8(const float* q, const float* const* kp, float* s) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[i] + 8 * c), acc[i]);
   }
-  for (; j < n; ++j) scores[j] = dot_c(q, row(kc, j), d);
-  float m = scores[0];
-  for (int i = 1; i < n; ++i) m = scores[i] > m ? scores[i] : m;
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
-    _mm256_storeu_ps(scores + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  for (; j < n; ++j) {
-    scores[j] = exp_c(scores[j] - m);
-    lanes[j % 8] = lanes[j % 8] + scores[j];
-  }
-  __m256 o[C];
-  for (int c = 0; c < C; ++c) o[c] = _mm256_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const float* v = row(vc, j);
-    const __m256 p = _mm256_set1_ps(scores[j]);
-    for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / hsum8(lanes));
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+  _mm256_storeu_ps(s, hsum8x8(acc));
 }
 
-static void attend_avx2(const float* q, const float* kc, const float* vc, int d, int prefix, const int* extra,
-                        int n_extra, float* scores, float* out) {
+// ops.inc's attend for every query of one key/value head, the shared cache rows walked in blocks of kKeyBlock: a
+// block's keys (and then its values) are read from memory once and stay in L1 while every query uses them. Each
+// query's scores, softmax and weighted sum are attend's operations in attend's order (a score does not depend on
+// the block it is computed in; each output lane sums its keys in key order), so each output is attend's,
+// bitwise, however many queries share the walk.
+constexpr int kKeyBlock = 32;
+
+template <int C>
+static void attend_many_fast(const float* const* q, int nq, const float* kc, const float* vc, int prefix,
+                             const int* const* extra, const int* n_extra, float* scores, int lds,
+                             float* const* out) {
+  constexpr int d = 8 * C;
+  for (int j0 = 0; j0 < prefix; j0 += kKeyBlock) {  // scores over the shared rows
+    const int j1 = j0 + kKeyBlock < prefix ? j0 + kKeyBlock : prefix;
+    for (int i = 0; i < nq; ++i) {
+      float* s = scores + static_cast<size_t>(i) * lds;
+      int j = j0;
+      for (; j + 8 <= j1; j += 8) {
+        const float* kp[8];
+        for (int u = 0; u < 8; ++u) kp[u] = kc + static_cast<size_t>(j + u) * d;
+        scores8<C>(q[i], kp, s + j);
+      }
+      for (; j < j1; ++j) s[j] = dot_c(q[i], kc + static_cast<size_t>(j) * d, d);
+    }
+  }
+  alignas(32) float lanes[8];
+  for (int i = 0; i < nq; ++i) {  // each query's own rows, its softmax, then its output zeroed
+    float* s = scores + static_cast<size_t>(i) * lds;
+    const int n = prefix + n_extra[i];
+    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot_c(q[i], kc + static_cast<size_t>(extra[i][e]) * d, d);
+    float m = s[0];
+    for (int j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_store_ps(lanes, sum);
+    for (; j < n; ++j) {
+      s[j] = exp_c(s[j] - m);
+      lanes[j % 8] = lanes[j % 8] + s[j];
+    }
+    s[n] = 1.0f / hsum8(lanes);  // the row's normalizer, kept past its scores (lds leaves room)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, _mm256_setzero_ps());
+  }
+  for (int j0 = 0; j0 < prefix; j0 += kKeyBlock) {  // the weighted sum over the shared rows
+    const int j1 = j0 + kKeyBlock < prefix ? j0 + kKeyBlock : prefix;
+    for (int i = 0; i < nq; ++i) {
+      const float* s = scores + static_cast<size_t>(i) * lds;
+      __m256 o[C];
+      for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(out[i] + 8 * c);
+      for (int j = j0; j < j1; ++j) {
+        const float* v = vc + static_cast<size_t>(j) * d;
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, o[c]);
+    }
+  }
+  for (int i = 0; i < nq; ++i) {  // each query's own rows, then the normalizer
+    const float* s = scores + static_cast<size_t>(i) * lds;
+    __m256 o[C];
+    for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(out[i] + 8 * c);
+    for (int e = 0; e < n_extra[i]; ++e) {
+      const float* v = vc + static_cast<size_t>(extra[i][e]) * d;
+      const __m256 p = _mm256_set1_ps(s[prefix + e]);
+      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(s[prefix + n_extra[i]]);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, _mm256_mul_ps(o[c], inv));
+  }
+}
+
+static void attend_many_avx2(const float* const* q, int nq, const float* kc, const float* vc, int d, int prefix,
+                             const int* const* extra, const int* n_extra, float* scores, int lds,
+                             float* const* out) {
   switch (d) {
     case 64:
-      return attend_fast<8>(q, kc, vc, prefix, extra, n_extra, scores, out);
+      return attend_many_fast<8>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
     case 128:
-      return attend_fast<16>(q, kc, vc, prefix, extra, n_extra, scores, out);
+      return attend_many_fast<16>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
     default:
-      return attend(q, kc, vc, d, prefix, extra, n_extra, scores, out);
+      return attend_many(q, nq, kc, vc, d, prefix, extra, n_extra, scores, lds, out);
   }
 }
 
@@ -116,8 +162,8 @@ static void silu_mul_avx2(const float* gu, int I, float* out) {
 }  // namespace avx2
 
 Ops avx2_ops() {
-  return Ops{avx2::rmsnorm_row, avx2::quantize_row, avx2::rope_row, avx2::attend_avx2, avx2::silu_mul_avx2,
-             avx2::add_row};
+  return Ops{avx2::rmsnorm_row, avx2::quantize_row, avx2::rope_row, avx2::attend_many_avx2,
+             avx2::silu_mul_avx2, avx2::add_row};
 }
 
 }  // namespace spn
