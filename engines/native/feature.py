@@ -99,11 +99,11 @@ class NativeFeatureLayer(NativeDecoder):
         if not ok:
             raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
         self._fuse = None
-        if fuse_path is not None:
+        if fuse_path is not None:  # in the layer (a catch-up pass fuses its rows: run_all's aux_in) and alone
             _, finits, fweights = _graph(fuse_path)
             fc = int4_projection(fuse_path, finits, fweights, "fc.weight")
             self._fuse = calls.linear_new(lib, fc)
-            if not self._fuse:
+            if not self._fuse or not calls.set_linear(lib, h, -1, 1, fc):
                 raise SpecrtError(f"native backend: loading {fuse_path} failed: {library.last_error()}")
             self._fuse_shape = (fc.k, fc.n)
         shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
@@ -133,10 +133,14 @@ class NativeFeatureLayer(NativeDecoder):
             raise SpecrtError(f"native fuse failed: {library.last_error()}")
         return y
 
-    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, hidden_in=None,
+    def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, hidden_in=None, aux_in=None,
                 **extra) -> dict[str, np.ndarray]:
-        if extra or hidden_in is None:
-            raise SpecrtError("internal: a native feature layer takes hidden_in and nothing else")
+        """`hidden_in` [1, T, H]: the rows' features; or `aux_in` [1, T, n·H]: the target's tapped rows, fused into
+        them by the fuse graph's fc in the same call (one native call for a catch-up)."""
+        if extra or (hidden_in is None) == (aux_in is None):
+            raise SpecrtError("internal: a native feature layer takes hidden_in or aux_in, and nothing else")
+        if aux_in is not None and self._fuse is None:
+            raise SpecrtError("internal: this native feature layer has no fuse graph for aux_in")
         ids = np.ascontiguousarray(input_ids, np.int64).reshape(-1)
         ids = np.maximum(ids, 0)  # a padded row's -1 reads row 0, as the ONNX Runtime layer's inputs_embeds do
         t = len(ids)
@@ -146,13 +150,16 @@ class NativeFeatureLayer(NativeDecoder):
         past = np.ascontiguousarray(past_len, np.int64).reshape(1)
         mask = np.ascontiguousarray(tree_mask, np.bool_).reshape(t, t)
         index = np.ascontiguousarray(logits_index, np.int64).reshape(-1)
-        feats = np.ascontiguousarray(hidden_in, np.float32).reshape(t, self.cfg.hidden_size)
+        width = self.cfg.hidden_size if aux_in is None else self._fuse_shape[0]
+        feats = np.ascontiguousarray(hidden_in if aux_in is None else aux_in, np.float32).reshape(t, width)
         self.check_rows(past, t)
         if int(pos.max(initial=0)) >= self.rope_rows:
             raise SpecrtError(f"position {int(pos.max())} is past this layer's rotary table ({self.rope_rows} rows)")
         out = {"logits": self._buffer("logits", (1, len(index), self.vocab)),
                "hidden_states": self._buffer("hidden_states", (1, t, self.cfg.hidden_size))}
-        rc = self.lib.spn_feature_pass(self._h, t, calls.ptr(ids), calls.ptr(feats), calls.ptr(pos), calls.ptr(past), calls.ptr(mask),
+        given, fused = (feats, None) if aux_in is None else (None, feats)
+        rc = self.lib.spn_feature_pass(self._h, t, calls.ptr(ids), calls.ptr(given), calls.ptr(fused),
+                                       0 if fused is None else fused.size, calls.ptr(pos), calls.ptr(past), calls.ptr(mask),
                                        len(index), calls.ptr(index), self._kv_pointers(0), self.capacity,
                                        calls.ptr(out["logits"]), calls.ptr(out["hidden_states"]))
         if rc != 0:

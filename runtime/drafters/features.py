@@ -125,36 +125,48 @@ class FeatureLayer:
         self.calls += 1
         return self._fuse(aux)
 
+    @property
+    def fuses_in_pass(self) -> bool:
+        """Can a pass take the target's tapped rows and fuse them itself (one native call, not two)?"""
+        return self.backend == "native" and self._fuse is not None
+
     def sync(self, tokens: list[int]) -> None:
         """Drop cached rows whose token (x[r+1]) is no longer the committed one."""
         keep = max(0, common_prefix(self.tokens, tokens) - 1)
         self.cached = min(self.cached, keep)
         self.tokens = list(tokens)
 
-    def run(self, ids, hidden: np.ndarray, positions, past: int, mask: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [R, V'] for window `rows`, features [T, H])."""
+    def run(self, ids, hidden: np.ndarray | None, positions, past: int, mask: np.ndarray, rows,
+            aux: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [R, V'] for window `rows`, features [T, H]); the rows' features `hidden`, or where the layer
+        `fuses_in_pass`, the target's tapped rows `aux` that it fuses into them."""
         ids = np.asarray([ids], np.int64)
         extra = {} if self.embeds is None else {"inputs_embeds": self.embeds[np.maximum(ids, 0)]}
+        extra["hidden_in" if aux is None else "aux_in"] = np.asarray(hidden if aux is None else aux, np.float32)[None]
         logits, out = self.model.run(ids, np.asarray(positions, np.int64)[None], np.array([past], np.int64),
-                                     mask[None], np.asarray([rows], np.int64),
-                                     hidden_in=np.asarray(hidden, np.float32)[None], **extra)
+                                     mask[None], np.asarray([rows], np.int64), **extra)
         self.calls += 1
         return logits[0], out[0]
 
-    def catch_up(self, tokens: list[int], features, upto: int, mask_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Feed committed rows cached..upto-1 (row r: token x[r+1], feature `features(start, end)`), then
-        `mask_rows` mask rows (id -1: the block drafter's), causal over the window; returns (logits of
+    def catch_up(self, tokens: list[int], features, upto: int, mask_rows: int = 0,
+                 taps=None) -> tuple[np.ndarray, np.ndarray]:
+        """Feed committed rows cached..upto-1 (row r: token x[r+1], feature `features(start, end)`, or with
+        `taps(start, end)` the target's tapped rows, fused: in the same call where the layer `fuses_in_pass`),
+        then `mask_rows` mask rows (id -1: the block drafter's), causal over the window; returns (logits of
         row upto-1, which drafts x[upto+1], and of each mask row; features of the fed rows). Mask rows
         are scratch: the cache keeps only the committed rows."""
         start = min(self.cached, upto - 1)  # row upto-1 is always fed: its logits are the root's
         if start < 0:
             raise SpecrtError("internal: drafter catch-up needs at least one committed row")
         t = upto - start
-        feats = features(start, upto)
+        in_pass = taps is not None and self.fuses_in_pass and not mask_rows
+        aux = taps(start, upto) if in_pass else None
+        feats = None if in_pass else self.fuse(taps(start, upto)) if taps is not None else features(start, upto)
         ids = tokens[start + 1 : upto + 1] + [-1] * mask_rows
         if mask_rows:
             feats = np.concatenate([feats, np.zeros((mask_rows, feats.shape[1]), feats.dtype)])
         logits, out = self.run(ids, feats, np.arange(start, upto + mask_rows), start,
-                               np.tril(np.ones((t + mask_rows, t + mask_rows), bool)), list(range(t - 1, t + mask_rows)))
+                               np.tril(np.ones((t + mask_rows, t + mask_rows), bool)), list(range(t - 1, t + mask_rows)),
+                               aux=aux)
         self.cached = upto
         return (logits if mask_rows else logits[0]), out[:t]

@@ -72,6 +72,41 @@ def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle,
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
+def test_a_catch_up_fuses_the_tapped_rows_in_its_own_call(layers, trained_int4_bundle):
+    """aux_in: the layer fuses the target's tapped rows itself, bitwise what the fuse call then a pass over its
+    features computes; one or the other is given, never both, and a wrong width is an error, not a read."""
+    from specrt.engines.native.feature import NativeFeatureLayer
+    from specrt.engines.tables import TARGET_EMBEDDING, initializer
+
+    m, layer, fuse, cfg = layers
+    table = initializer(trained_int4_bundle / m.target.file, TARGET_EMBEDDING)
+    rng = np.random.default_rng(2)
+    width = len(m.drafter("eagle3", trained_int4_bundle)["taps"]) * cfg.hidden_size
+    aux = rng.standard_normal((1, 12, width)).astype(np.float32)
+    ids = rng.integers(0, m.target.config.vocab_size, 12)[None]
+    args = (ids, np.arange(12)[None], np.array([0]), np.tril(np.ones((12, 12), bool))[None], np.array([[10, 11]]))
+    two = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, embedding=table)
+    one = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, embedding=table)
+    want = two.run_all(*args, hidden_in=two.fuse(aux[0])[None])
+    got = one.run_all(*args, aux_in=aux)
+    for name in ("logits", "hidden_states"):
+        assert np.array_equal(got[name], want[name]), name
+    with pytest.raises(SpecrtError, match="hidden_in or aux_in"):
+        one.run_all(*args, hidden_in=want["hidden_states"], aux_in=aux)
+    with pytest.raises(SpecrtError, match="hidden_in or aux_in"):
+        one.run_all(*args)
+    lib = one.lib  # the C entry point checks the width it is given against the fuse's
+    out = [np.zeros((1, 2, one.vocab), np.float32), np.zeros((1, 12, cfg.hidden_size), np.float32)]
+    from specrt.engines.native import calls
+
+    flat = [np.ascontiguousarray(a) for a in (ids.reshape(-1), np.arange(12), np.array([0]),
+                                              np.tril(np.ones((12, 12), bool)), np.array([10, 11]))]
+    rc = lib.spn_feature_pass(one._h, 12, calls.ptr(flat[0]), None, calls.ptr(aux), aux.size - 1, calls.ptr(flat[1]),
+                              calls.ptr(flat[2]), calls.ptr(flat[3]), 2, calls.ptr(flat[4]), one._kv_pointers(0),
+                              CAPACITY, calls.ptr(out[0]), calls.ptr(out[1]))
+    assert rc != 0 and f"{aux.size - 1} tapped values for 12 rows" in library.last_error()
+
+
 def test_the_branch_follows_the_target_and_the_layer(layers, trained_int4_bundle, monkeypatch):
     m, layer, _, cfg = layers
     monkeypatch.delenv("SPECRT_DRAFTER_LAYERS", raising=False)
@@ -105,8 +140,10 @@ def test_eagle3_is_lossless_with_either_layer_backend(trained_int4_bundle, layer
         got, want = gen.generate_ids(ids, 48), plain.generate_ids(ids, 48)
         assert got.token_ids == want.token_ids
         assert got.stats.accepted > 0  # the layer really drafted
-        # each drafted step: one fuse and one catch-up pass, then one pass per further draft level
-        assert 2 * got.stats.steps <= got.stats.draft_calls <= got.stats.steps * (1 + gen.drafter.depth + 1)
+        # each drafted step: one catch-up pass (native: it fuses the tapped rows itself; ONNX Runtime: a fuse
+        # call before it), then one pass per further draft level
+        catch_up = 1 if layers_on == "native" else 2
+        assert catch_up * got.stats.steps <= got.stats.draft_calls <= got.stats.steps * (catch_up + gen.drafter.depth - 1)
 
 
 @pytest.mark.parametrize("layers_on", ["native", "ort"])

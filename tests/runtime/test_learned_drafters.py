@@ -121,6 +121,18 @@ def test_runtime_proposals_equal_a_recomputation_from_scratch(learned, kind, run
         assert propose(gen, tokens, 3) == want, (kind, len(tokens))
 
 
+@pytest.mark.parametrize("runtime,kind", [("eagle2", "eagle"), ("eagle3", "eagle3")])
+def test_a_beam_of_one_drafts_the_greedy_chain_cut_to_its_node_budget(learned, runtime, kind):
+    """Beam 1 takes the chain path (no ranking): what the dynamic tree keeps is its `tree_nodes` shallowest
+    nodes, so 2 nodes of a depth-4 search are the greedy chain's first 2, and the full budget its 4."""
+    bundle, target, modules = learned
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 49152, 14).tolist()
+    for nodes, want in ((2, 2), (4, 4)):
+        gen = Generator(bundle, runtime, num_draft_tokens=4, max_seq_len=128, tree="chain", tree_nodes=nodes, beam=1)
+        assert propose(gen, tokens, 4) == reference_chain(kind, modules[kind], target, tokens, want), nodes
+
+
 RUNTIME_CASES = [("draft", None), ("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
                  ("eagle3", None), ("mtp", None), ("block", None), ("block", "chain")]
 

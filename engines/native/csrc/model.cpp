@@ -121,9 +121,10 @@ struct Model {
   int rope_rows = 0;
   std::vector<Layer> layers;
   OwnedWeight head;
+  OwnedWeight fuse;  // a feature layer's fuse fc: the target's tapped rows [n·H] -> its features [H] (optional)
   std::vector<int> taps;
   // scratch, grown to the largest pass seen
-  std::vector<float> x, h, mixed, qkv, attn, gu, act, rows, scores;
+  std::vector<float> x, h, mixed, fused, qkv, attn, gu, act, rows, scores;
   std::vector<int> extra, extra_n, att_n;
   std::vector<const float*> att_q;
   std::vector<float*> att_out;
@@ -169,6 +170,7 @@ struct PassArgs {
   float* hidden;
   float* aux;
   const float* hidden_in;  // a feature layer's feature input [B·T, H] (spn_feature_pass); null for a decoder
+  const float* aux_in;     // … or the target's tapped rows [B·T, fuse.K], fused into it first; null otherwise
 };
 
 // Scratch for a pass of these arguments, grown to the largest pass seen.
@@ -346,15 +348,20 @@ static void run_feature_pass(Model& m, const PassArgs& p) {
   const int M = p.B * p.T, H = m.H, nq = m.nh * m.d;
   const Ops ops = ops_for(m.isa);
   int max_k = 2 * H > m.I ? 2 * H : m.I;
-  reserve(m, p, max_k > nq ? max_k : nq);
+  max_k = max_k > nq ? max_k : nq;
+  const bool fuse = p.aux_in != nullptr;  // the features are fuse(aux): one call for the fuse and the layer
+  reserve(m, p, fuse && m.fuse.K > max_k ? m.fuse.K : max_k);
   m.mixed.resize(static_cast<size_t>(M) * 2 * H);
+  if (fuse) m.fused.resize(static_cast<size_t>(M) * H);
+  const float* features = fuse ? m.fused.data() : p.hidden_in;
   m.pool->run([&](int tid, int nt) {
     Pool& pool = *m.pool;
     int lo, hi;
     share(M, tid, nt, lo, hi);
+    if (fuse) linear(m, m.fuse, p.aux_in, M, m.fuse.K, m.fused.data(), tid, nt, ops);
     for (int r = lo; r < hi; ++r) {
       const float* e = m.embed_rows + static_cast<size_t>(p.ids[r]) * H;
-      const float* f = p.hidden_in + static_cast<size_t>(r) * H;
+      const float* f = features + static_cast<size_t>(r) * H;
       float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
       ops.rmsnorm_row(e, H, m.layers[0].ln1.data(), m.eps, mr);
       ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
@@ -402,7 +409,7 @@ static void expected_shape(const Model& m, int layer, int which, long long& K, l
 }
 
 static const OwnedWeight* slot(const Model& m, int layer, int which) {
-  if (layer < 0) return &m.head;
+  if (layer < 0) return which == 1 ? &m.fuse : &m.head;
   const Layer& l = m.layers[layer];
   return which == 0 ? &l.qkv : which == 1 ? &l.o : which == 2 ? &l.gate_up : &l.down;
 }
@@ -527,17 +534,22 @@ static bool weight_ok(int K, int N, const uint8_t* q, int64_t q_bytes, const flo
                                                                std::to_string(N) + " outputs");
 }
 
-// which: 0 q|k|v, 1 o, 2 gate|up, 3 down of layer `layer`; layer -1: the LM head
+// which: 0 q|k|v, 1 o, 2 gate|up, 3 down of layer `layer`; layer -1: which 0 the LM head, which 1 a feature
+// layer's fuse fc (K a multiple of H: the tapped layers' rows side by side; N = H)
 int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q, int64_t q_bytes,
                    const float* scales, int64_t n_scales, const float* bias, int64_t n_bias) {
   Model* m = static_cast<Model*>(h);
   if (!check(layer == -1 || (layer >= 0 && layer < m->L), "layer out of range") ||
-      !check(which >= 0 && which <= 3, "projection kind out of range"))
+      !check(which >= 0 && which <= (layer < 0 ? 1 : 3), "projection kind out of range") ||
+      !check(layer >= 0 || which == 0 || m->feature, "only a feature layer has a fuse projection"))
     return 1;
   long long wantK, wantN;
   expected_shape(*m, layer, which, wantK, wantN);
+  if (layer < 0 && which == 1)  // the fuse: any number of tapped layers
+    wantK = K > 0 && K % m->H == 0 ? K : m->H, wantN = m->H;
   if (!check(K == wantK && (wantN == 0 || N == wantN),
-             (layer < 0 ? std::string("LM head") : "layer " + std::to_string(layer) + " projection " +
+             (layer < 0 ? std::string(which == 1 ? "fuse" : "LM head")
+                        : "layer " + std::to_string(layer) + " projection " +
                                                        std::to_string(which)) +
                  ": " + dims("weights", K, N) + " where the model's dimensions give " + std::to_string(wantK) +
                  " x " + (wantN ? std::to_string(wantN) : std::string("any"))) ||
@@ -619,21 +631,27 @@ int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, cons
     return 1;
   return guarded(run_pass, *m,
                  PassArgs{B, T, ids, pos, past, mask, R, logits_index, kv, slot_stride, cap, logits, hidden, aux,
-                          nullptr});
+                          nullptr, nullptr});
 }
 
 // One pass of an EAGLE-3 drafter layer (a model of one layer, with its hidden norm set) over one sequence's
-// T rows: token ids, their features `hidden_in` [T, H]; `hidden` gets the layer outputs [T, H].
-int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in, const int64_t* pos,
-                     const int64_t* past, const uint8_t* mask, int R, const int64_t* logits_index, float* const* kv,
-                     int cap, float* logits, float* hidden) {
+// T rows: token ids and their features, given (`hidden_in` [T, H]) or fused first from the target's tapped
+// rows (`aux_in` [T, fuse K], aux_len floats; the fuse set as layer -1 which 1): exactly one of the two.
+// `hidden` gets the layer outputs [T, H].
+int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in, const float* aux_in,
+                     int64_t aux_len, const int64_t* pos, const int64_t* past, const uint8_t* mask, int R,
+                     const int64_t* logits_index, float* const* kv, int cap, float* logits, float* hidden) {
   Model* m = static_cast<Model*>(h);
   if (!check(m->feature, "not a feature layer (spn_model_new feature 0)") ||
-      !check(hidden_in != nullptr, "feature input missing"))
+      !check((hidden_in != nullptr) != (aux_in != nullptr), "give the features or the rows to fuse, one of them") ||
+      !check(aux_in == nullptr || m->fuse.K > 0, "no fuse projection set") ||
+      !check(aux_in == nullptr || aux_len == static_cast<int64_t>(T) * m->fuse.K,
+             std::to_string(aux_len) + " tapped values for " + std::to_string(T) + " rows of " +
+                 std::to_string(m->fuse.K)))
     return 1;
   return guarded(run_feature_pass, *m,
                  PassArgs{1, T, ids, pos, past, mask, R, logits_index, kv, 0, cap, logits, hidden, nullptr,
-                          hidden_in});
+                          hidden_in, aux_in});
 }
 
 // One W4A8 product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.
