@@ -1,0 +1,74 @@
+"""`specrt prompts` (tools/magpie.py): the target writes prompts from its chat template's user-turn prefix;
+cut-off, short, marked-up, repeated and held-out-like ones are dropped; the file resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specrt.runtime.generate import Generator
+from specrt.tools.magpie import NearDuplicates, Writer, Written, heldout_texts, normalize, pre_query, verdict
+
+LONG = ("Could you explain how the water cycle works, starting from evaporation over the oceans and ending "
+        "with rain falling on the mountains and flowing back to the sea through the rivers")
+
+
+@pytest.fixture(scope="module")
+def gen(real_bundle):
+    return Generator(real_bundle, "plain", max_seq_len=256, costs=None)
+
+
+def test_the_prefix_ends_where_a_user_starts_writing(gen):
+    plain, coder = pre_query(gen.tokenizer, None), pre_query(gen.tokenizer, "You are an expert programmer.")
+    assert plain.endswith("<|im_start|>user\n") and coder.endswith("<|im_start|>user\n")
+    assert "You are an expert programmer." in coder and "expert programmer" not in plain
+
+
+def test_same_and_near_duplicates_are_found_and_others_are_not():
+    seen = NearDuplicates(0.7)
+    seen.add(LONG)
+    assert seen.match(LONG.upper() + "?!")  # the same after normalising
+    assert seen.match(LONG.replace("mountains", "hills"))  # one word of 31: Jaccard 25/31
+    assert not seen.match("Write a haiku about the first snow of the winter in a quiet mountain village")
+    assert not seen.match(" ".join(LONG.split()[:12]))  # a shared opening is not the same request
+    assert normalize("  Hello,   World!! ") == "hello world"
+
+
+def test_verdicts_name_why_a_prompt_is_dropped():
+    kept, held = NearDuplicates(), NearDuplicates()
+    for text in heldout_texts():
+        held.add(text)
+    shipped = heldout_texts()[0]
+    w = lambda text, finished=True: Written(0, None, 0.7, text, finished)  # noqa: E731
+    assert verdict(w(LONG, finished=False), kept, held) == "cut off"
+    assert verdict(w("Hi there"), kept, held) == "too short"
+    assert verdict(w("Tell me <|im_end|> a story about cats"), kept, held) == "markup"
+    assert verdict(w(shipped.lower() + "!"), kept, held) == "held-out duplicate"
+    assert verdict(w(LONG), kept, held) == ""
+    kept.add(LONG)
+    assert verdict(w(LONG.replace("rivers", "streams")), kept, held) == "duplicate"
+
+
+def test_prompts_are_written_distinct_and_a_rerun_resumes(gen, tmp_path):
+    out = tmp_path / "prompts.jsonl"
+    first = Writer(gen, out).run(4, max_new_tokens=48, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert first["prompts"] == len(rows) == 4
+    assert len({normalize(r["prompt"]) for r in rows}) == 4 and len({r["id"] for r in rows}) == 4
+    assert all(r["split"] in ("train", "heldout") and r["category"] == "magpie" for r in rows)
+    with open(out, "a") as f:
+        f.write('{"id": "magpie-99", "prom')  # a line cut off mid-write by a stop
+    second = Writer(gen, out).run(6, max_new_tokens=48, progress=False)
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert second["prompts"] == len(again) == 6 and again[:4] == rows
+    attempts = [r["attempt"] for r in again]
+    assert attempts == sorted(attempts) and len(set(attempts)) == 6
+
+
+def test_batched_writing_samples_what_one_at_a_time_samples(real_bundle, gen, tmp_path):
+    one = Writer(gen, tmp_path / "one.jsonl").run(3, max_new_tokens=40, progress=False)
+    batched_gen = Generator(real_bundle, "plain", max_seq_len=256, slots=4, costs=None)
+    many = Writer(batched_gen, tmp_path / "many.jsonl").run(3, max_new_tokens=40, slots=4, progress=False)
+    assert one["prompts"] == many["prompts"] == 3
+    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "many.jsonl").read_text()
