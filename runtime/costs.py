@@ -140,15 +140,18 @@ def load(bundle: Path, manifest, threads: int, backend: str, mode, capacity: int
         except (OSError, ValueError, KeyError, TypeError, SpecrtError):
             pass  # a damaged cache is measured again
     cfg = manifest.target.config
-    need = CONTEXT + max(ROWS) + mode.min_rows
-    if backend_entry(backend).pinned_capacity:  # engines built for one capacity (TensorRT)
-        decoder = open_decoder(backend, bundle, manifest, "target", capacity or need, threads)
+    need, context, rows = CONTEXT + max(ROWS) + mode.min_rows, CONTEXT, ROWS
+    if backend_entry(backend).pinned_capacity:  # engines built for one capacity (TensorRT): what fits in it
+        cap = capacity or need
+        decoder = open_decoder(backend, bundle, manifest, "target", cap, threads)
+        context = max(1, min(CONTEXT, cap // 2))
+        rows = tuple(r for r in ROWS if context + r + mode.min_rows <= cap) or (1,)
     else:
         decoder = make_decoder(backend, graph_path(backend, bundle, manifest, "target"), cfg, need, threads)
-    curve = measure(shaped(decoder, mode), cfg.vocab_size)
+    curve = measure(shaped(decoder, mode), cfg.vocab_size, rows=rows, context=context)
     del decoder
     record = {"curve": curve.to_dict(), "backend": backend, "threads": int(threads), "mode": mode.name,
-              "context": CONTEXT,
+              "context": context,
               "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         _write_atomic(path, json.dumps(record, indent=1))
