@@ -55,7 +55,7 @@ class Shape:
                 "acceptance": list(self.acceptance), "acceptance_source": self.source}
 
     def describe(self, drafter: str, curve: CostCurve) -> str:
-        costs = ", ".join(f"{n} rows {curve.ratio(n):.2f}×" for n in (2, 3, 5) if n <= curve.rows[-1] or n == 2)
+        costs = ", ".join(f"{n} rows {curve.ratio(n):.2f}×" for n in (2, 3, 5))
         acc = ", ".join(f"{a:.2f}" for a in self.acceptance[:3])
         line = (f"note: {drafter}: a chain of {self.depth} draft{'s' * (self.depth > 1)}, sized to this machine's verify "
                 f"costs ({costs} one row) and the head's acceptance by depth ({acc}; {self.source}): predicted "

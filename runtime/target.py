@@ -55,6 +55,8 @@ class TargetModel:
         self.eos = frozenset(cfg.eos_token_ids)
         self.tokenizer = Tokenizer(self.bundle, self.manifest.tokenizer)
         self.notes: list[str] = []  # one-line notices for the user (the CLI prints them)
+        self._curve = None  # the verify cost curve, looked up on first use (cost_curve)
+        self.curve_source = ""
         if note := threads_note(int(threads), usable_cpus()):
             self.note(note)
         backend, why = resolve_backend(backend, self.bundle, self.manifest)  # auto: the fastest exact one here
@@ -80,7 +82,7 @@ class TargetModel:
     def cost_curve(self):
         """What a verify pass of n rows costs here (runtime/costs.py): this machine's cached curve, else
         measured now on a decoder of its own; looked up once per target."""
-        if getattr(self, "_curve", None) is None:
+        if self._curve is None:
             from specrt.runtime.costs import load
 
             self._curve, self.curve_source = load(self.bundle, self.manifest, self.threads, self.backend,
