@@ -129,6 +129,15 @@ def heldout_texts(files: Iterable[Path] = ()) -> list[str]:
     return texts
 
 
+def _renders(tokenizer, system: str) -> bool:
+    """Does the chat template take a system turn (some raise_exception on one)?"""
+    try:
+        pre_query(tokenizer, system)
+    except SpecrtError:
+        return False
+    return True
+
+
 @dataclass
 class Written:
     attempt: int
@@ -198,10 +207,12 @@ class Writer:
         self.next_attempt = 1 + max((r["attempt"] for r in self.rows), default=-1)
         self.dropped: dict[str, int] = {}
         tok = gen.tokenizer
-        self.prefixes = [tok.tok.encode(pre_query(tok, s), add_special_tokens=False).ids for s in SYSTEMS]
+        self.systems = [None, *(s for s in SYSTEMS[1:] if _renders(tok, s))]  # a template may refuse a system turn
+        self.prefixes = [tok.tok.encode(pre_query(tok, s), add_special_tokens=False).ids for s in self.systems]
 
     def settings(self, attempt: int) -> tuple[str | None, float]:
-        return SYSTEMS[attempt % len(SYSTEMS)], TEMPERATURES[(attempt // len(SYSTEMS)) % len(TEMPERATURES)]
+        n = len(self.systems)
+        return self.systems[attempt % n], TEMPERATURES[(attempt // n) % len(TEMPERATURES)]
 
     def write(self, attempt: int, result) -> Written:
         system, temperature = self.settings(attempt)
@@ -233,7 +244,7 @@ class Writer:
         with open(self.out, "a") as f:
             while len(self.rows) < count and self.next_attempt < limit:
                 attempts = range(self.next_attempt, min(self.next_attempt + slots, limit))
-                jobs = [(a, self.prefixes[a % len(SYSTEMS)],
+                jobs = [(a, self.prefixes[a % len(self.systems)],
                          SamplingParams(temperature=self.settings(a)[1], top_p=0.95, seed=self.seed + a))
                         for a in attempts]
                 for a, result in zip(attempts, self._generate(jobs, max_new_tokens), strict=True):

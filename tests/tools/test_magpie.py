@@ -72,3 +72,23 @@ def test_batched_writing_samples_what_one_at_a_time_samples(real_bundle, gen, tm
     many = Writer(batched_gen, tmp_path / "many.jsonl").run(3, max_new_tokens=40, slots=4, progress=False)
     assert one["prompts"] == many["prompts"] == 3
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "many.jsonl").read_text()
+
+
+def test_a_template_that_refuses_system_turns_writes_without_them(tmp_path):
+    from types import SimpleNamespace
+
+    from specrt.errors import SpecrtError
+    from specrt.tools.magpie import SENTINEL
+
+    class NoSystem:  # as Gemma's template: raise_exception on a system message
+        tok = SimpleNamespace(encode=lambda text, add_special_tokens: SimpleNamespace(ids=[len(text)]))
+
+        def render_chat(self, messages):
+            if messages[0]["role"] == "system":
+                raise SpecrtError("chat template: System role not supported")
+            return f"<start_of_turn>user\n{messages[0]['content']}<end_of_turn>\n<start_of_turn>model\n"
+
+    writer = Writer(SimpleNamespace(tokenizer=NoSystem()), tmp_path / "p.jsonl")
+    assert writer.systems == [None] and writer.prefixes == [[len("<start_of_turn>user\n")]]
+    assert {writer.settings(a) for a in range(3)} == {(None, 0.7), (None, 0.85), (None, 1.0)}
+    assert SENTINEL not in pre_query(NoSystem(), None)
