@@ -55,24 +55,28 @@ class _ScaledCurve:
     """T_v(n) from the machine's measured curve and the running generation's passes: the mean of the recent
     passes over n rows where at least `enough` were seen, else s · curve(n) with s fitted by least squares
     through the origin to every recent pass (s = 1 before the first). The curve gives the shape where the
-    steps have not measured it; what the steps measure wins where they have (a busy machine's costs move)."""
+    steps have not measured it; what the steps measure wins where they have (a busy machine's costs move).
+    Fitted once per new point, as `_Line` is: `choose` prices every depth each step."""
 
     def __init__(self, curve, window: int = 48, enough: int = 4):
         self.curve, self.enough = curve, enough
-        self.pts: deque[tuple[float, float]] = deque(maxlen=window)  # (rows, seconds)
+        self.pts: deque[tuple[float, float, float]] = deque(maxlen=window)  # (rows, curve(rows), seconds)
+        self.fit: tuple[float, dict[float, float]] | None = None  # (s, mean seconds by rows seen `enough` times)
 
     def add(self, x: float, y: float) -> None:
-        self.pts.append((float(x), y))
+        self.pts.append((float(x), self.curve(x), y))
+        self.fit = None
 
     def __call__(self, x: float) -> float:
         if not self.pts:
             return self.curve(x)
-        n, y = np.array(self.pts).T
-        here = n == x
-        if here.sum() >= self.enough:
-            return max(float(y[here].mean()), 1e-6)
-        c = np.array([self.curve(v) for v in n])
-        return max(float((c * y).sum() / (c * c).sum()) * self.curve(x), 1e-6)
+        if self.fit is None:
+            n, c, y = np.array(self.pts).T
+            rows, counts = np.unique(n, return_counts=True)
+            means = {float(r): float(y[n == r].mean()) for r, k in zip(rows, counts, strict=True) if k >= self.enough}
+            self.fit = (float((c * y).sum() / (c * c).sum()), means)
+        scale, means = self.fit
+        return max(means.get(float(x), scale * self.curve(x)), 1e-6)
 
 
 @dataclass

@@ -121,12 +121,9 @@ def heldout_texts(files: Iterable[Path] = ()) -> list[str]:
 
     from specrt.export.training.corpus import load_prompts
 
-    texts = [p["prompt"] for p in load_prompts("heldout")]
-    bench = (resources.files("specrt") / "data" / "bench_prompts.jsonl").read_text().splitlines()
-    texts += [json.loads(line)["prompt"] for line in bench if line.strip()]
-    for f in files:
-        texts += [p["prompt"] for p in load_prompts(None, Path(f))]
-    return texts
+    bench = Path(str(resources.files("specrt") / "data" / "bench_prompts.jsonl"))
+    rows = load_prompts("heldout") + [p for f in (bench, *files) for p in load_prompts(None, Path(f))]
+    return [p["prompt"] for p in rows]
 
 
 def _renders(tokenizer, system: str) -> bool:

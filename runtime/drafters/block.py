@@ -38,8 +38,8 @@ class BlockDrafter(Drafter):
         self.state = state
         self.layer.sync(tokens)
 
-    def features(self, start: int, end: int) -> np.ndarray:
-        return self.layer.fuse(self.state.aux[start:end])
+    def taps(self, start: int, end: int) -> np.ndarray:
+        return self.state.aux[start:end]
 
     def propose(self, tokens, max_nodes, max_depth, sampling: SamplingParams, rng) -> Proposal:
         m = len(tokens) - 1
@@ -47,5 +47,5 @@ class BlockDrafter(Drafter):
         if m < 1 or not keep:
             return Proposal()
         depth = int(self.shape.depth[keep].max())
-        logits = np.atleast_2d(self.layer.catch_up(tokens, self.features, m, mask_rows=depth - 1)[0])  # [depth, V']
+        logits = np.atleast_2d(self.layer.catch_up(tokens, None, m, mask_rows=depth - 1, taps=self.taps)[0])  # [depth, V']
         return expand_by_depth(self.shape, keep, logits, self.vocab, sampling, rng)

@@ -129,7 +129,6 @@ struct Model {
   std::vector<const float*> att_q;
   std::vector<float*> att_out;
   std::vector<const int*> att_extra;
-  size_t att_per_thread = 0;
   ActBuffer qa;
   std::shared_ptr<Pool> pool;  // shared_pool(threads): the process's one pool of that size
 };
@@ -186,8 +185,7 @@ static void reserve(Model& m, const PassArgs& p, int max_k) {
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
   // attention scratch per thread: a part of a group holds at most T * (nh / kvh) queries
-  m.att_per_thread = static_cast<size_t>(p.T) * (m.nh / m.kvh);
-  const size_t q_slots = static_cast<size_t>(m.threads) * m.att_per_thread;
+  const size_t q_slots = static_cast<size_t>(m.threads) * p.T * (m.nh / m.kvh);
   m.scores.resize(q_slots * (max_past + p.T + 1));
   m.att_q.resize(q_slots);
   m.att_out.resize(q_slots);
@@ -236,7 +234,7 @@ pool.barrier();
     const int lds = max_past + p.T + 1;
     int ulo, uhi;
     share(n_groups * parts, tid, nt, ulo, uhi);
-    const size_t base = static_cast<size_t>(tid) * m.att_per_thread;
+    const size_t base = static_cast<size_t>(tid) * per_group;
     float* scores = m.scores.data() + base * lds;
     const float** qs = m.att_q.data() + base;
     float** outs = m.att_out.data() + base;
