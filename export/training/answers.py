@@ -53,6 +53,7 @@ class Job:
 #   activation scale per pass, u = 2^-7 (half a 7-bit step of the range, fbgemm's reduced range,
 #   on each side).
 FP16_STORE_RTOL = 2**-10
+MAX_PROMPT = 512  # prompt rows a slot takes; longer prompts are skipped
 BATCH_NOISE = {"fp32": lambda width: math.sqrt(width) * 2**-24, "int8": lambda width: 2**-7}
 
 
@@ -96,15 +97,44 @@ class _Slot:
                 "top_ids": self.top_ids[:n].copy(), "top_p": self.top_p[:n].copy()}
 
 
+class TorchPasses:
+    """`answer_jobs`'s passes on a torch DecoderLM: `slots` sequences of KV, `capacity` rows each."""
+
+    def __init__(self, module, slots: int, capacity: int, taps: tuple[int, ...]):
+        self.module, self.taps = module, taps
+        self.cfg = module.cfg
+        self.kv = module.new_kv(slots, capacity)
+
+    def prefill(self, b: int, prompt: list[int]):
+        """Slot `b` takes `prompt` from row 0: (logits [t, V], hidden [t, H] fp16, aux [t, A] fp16)."""
+        t = len(prompt)
+        view = [(k[b : b + 1], v[b : b + 1]) for k, v in self.kv]
+        logits, hidden, aux = self.module(torch.tensor([prompt]), torch.arange(t)[None], torch.tensor([0]),
+                                          torch.tril(torch.ones(t, t, dtype=torch.bool))[None], view, taps=self.taps)
+        return logits[0], hidden[0].half().numpy(), aux[0].half().numpy()
+
+    def decode(self, lo: int, hi: int, ids: list[int], past: list[int]):
+        """One row for each slot lo..hi-1 (token `ids[i]` at position `past[i]`): logits [n, V], hidden, aux."""
+        past_t = torch.tensor(past)
+        view = [(k[lo:hi], v[lo:hi]) for k, v in self.kv]
+        logits, hidden, aux = self.module(torch.tensor(ids)[:, None], past_t[:, None], past_t,
+                                          torch.ones(hi - lo, 1, 1, dtype=torch.bool), view, taps=self.taps)
+        return logits[:, 0], hidden[:, 0].half().numpy(), aux[:, 0].half().numpy()
+
+
 @torch.no_grad()
-def answer_jobs(module, jobs: Iterator[Job], max_new_tokens: int, taps: tuple[int, ...],
-                on_done: Callable[[Job, dict, int], None], slots: int = 64, max_prompt: int = 512,
+def answer_jobs(passes, jobs: Iterator[Job], max_new_tokens: int, taps: tuple[int, ...],
+                on_done: Callable[[Job, dict, int], None], slots: int = 64, max_prompt: int = MAX_PROMPT,
                 stop: Callable[[], bool] = lambda: False, progress: tqdm | None = None) -> int:
     """Answer `jobs` with `slots` sequences in flight; `on_done(job, fields, prompt_len)` per finished
-    one. Stops taking jobs when they run out or `stop()` says so; returns the answer tokens made."""
-    cfg = module.cfg
+    one. `passes`: a torch DecoderLM, or an object with `cfg`, `prefill` and `decode` as `TorchPasses`
+    (native_answers.NativePasses: the bundle's int4 target on the native kernels), built for `slots`
+    slots of `max_prompt + max_new_tokens + 1` rows. Stops taking jobs when they run out or `stop()`
+    says so; returns the answer tokens made."""
     capacity = max_prompt + max_new_tokens + 1
-    kv = module.new_kv(slots, capacity)
+    if isinstance(passes, torch.nn.Module):
+        passes = TorchPasses(passes, slots, capacity, taps)
+    cfg = passes.cfg
     aux_size = len(taps) * cfg.hidden_size
     pool = [_Slot(capacity, cfg.hidden_size, aux_size) for _ in range(slots)]
     eos = set(cfg.eos_token_ids)
@@ -121,13 +151,10 @@ def answer_jobs(module, jobs: Iterator[Job], max_new_tokens: int, taps: tuple[in
         slot.job, slot.n = job, len(job.prompt)
         slot.rng = torch.Generator().manual_seed(job.seed)
         slot.tokens[: slot.n] = job.prompt
-        t = slot.n
-        view = [(k[b : b + 1], v[b : b + 1]) for k, v in kv]
-        logits, hidden, aux = module(torch.tensor([job.prompt]), torch.arange(t)[None], torch.tensor([0]),
-                                     torch.tril(torch.ones(t, t, dtype=torch.bool))[None], view, taps=taps)
-        ids, p = _top(logits[0])
-        slot.record(0, hidden[0].half().numpy(), aux[0].half().numpy(), ids.numpy(), p.half().numpy())
-        slot.tokens[slot.n] = choose(slot, logits[0, -1])
+        logits, hidden, aux = passes.prefill(b, job.prompt)
+        ids, p = _top(logits)
+        slot.record(0, hidden, aux, ids.numpy(), p.half().numpy())
+        slot.tokens[slot.n] = choose(slot, logits[-1])
         slot.n += 1
 
     def finished(slot: _Slot) -> bool:
@@ -169,18 +196,15 @@ def answer_jobs(module, jobs: Iterator[Job], max_new_tokens: int, taps: tuple[in
         if not live:
             break
         lo, hi = live[0], live[-1] + 1  # one pass over the contiguous range of slots in use
-        ids = torch.tensor([[int(pool[b].tokens[pool[b].n - 1]) if pool[b].job else 0] for b in range(lo, hi)])
-        past = torch.tensor([pool[b].n - 1 if pool[b].job else 0 for b in range(lo, hi)])
-        view = [(k[lo:hi], v[lo:hi]) for k, v in kv]
-        logits, hidden, aux = module(ids, past[:, None], past, torch.ones(hi - lo, 1, 1, dtype=torch.bool), view,
-                                     taps=taps)
-        top_ids, top_p = _top(logits[:, 0])
-        hidden, aux = hidden[:, 0].half().numpy(), aux[:, 0].half().numpy()
+        ids = [int(pool[b].tokens[pool[b].n - 1]) if pool[b].job else 0 for b in range(lo, hi)]
+        past = [pool[b].n - 1 if pool[b].job else 0 for b in range(lo, hi)]
+        logits, hidden, aux = passes.decode(lo, hi, ids, past)
+        top_ids, top_p = _top(logits)
         top_ids, top_p = top_ids.numpy(), top_p.half().numpy()
         for b in live:
             slot, r = pool[b], b - lo
             slot.record(slot.n - 1, hidden[r : r + 1], aux[r : r + 1], top_ids[r : r + 1], top_p[r : r + 1])
-            slot.tokens[slot.n] = choose(slot, logits[r, 0])
+            slot.tokens[slot.n] = choose(slot, logits[r])
             slot.n += 1
         if progress is not None and time.perf_counter() - shown > 5:
             shown = time.perf_counter()

@@ -25,3 +25,19 @@ def load_prompts(split: str | None = None, path: Path | None = None) -> list[dic
                               f'({type(e).__name__}): write {{"prompt": "..."}} per line') from None
         rows.append(row)
     return [r for r in rows if split is None or r["split"] == split]
+
+
+def load_corpora(paths) -> list[dict]:
+    """The prompts of every file in `paths` in order (none: the shipped corpus); an id two files share is
+    refused, since a store keys its jobs by prompt id."""
+    if not paths:
+        return load_prompts()
+    rows, seen = [], {}
+    for path in paths:
+        for row in load_prompts(path=path):
+            if row["id"] in seen:
+                raise SpecrtError(f"prompt id {row['id']!r} is in both {seen[row['id']]} and {path}: give one of "
+                                  "them other ids")
+            seen[row["id"]] = path
+            rows.append(row)
+    return rows

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specrt.errors import SpecrtError
 from specrt.export.loading import LoadedModel
-from specrt.export.training.answers import Job, answer_jobs, quantized
+from specrt.export.training.answers import MAX_PROMPT, Job, answer_jobs, quantized
 from specrt.export.training.datagen import encode
 from specrt.export.training.precision import aten_dispatch, engine_in_use, quant_engine
 from specrt.export.training.store import MappedData, ShardWriter
@@ -57,13 +58,26 @@ def jobs_for(loaded: LoadedModel, prompts: list[dict], temperature: float, done:
 
 def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: int, max_new_tokens: int,
                 taps: tuple[int, ...], temperature: float = 0.8, precision: str = "int8", slots: int = 64,
-                max_minutes: float | None = None, progress: bool = True, engine: str = "auto") -> dict:
+                max_minutes: float | None = None, progress: bool = True, engine: str = "auto",
+                bundle: Path | None = None, threads: int = 2) -> dict:
     """Generate until the store at `root` holds `tokens` training answer tokens (or `max_minutes` have
     passed: no job starts after that, the ones in flight finish); returns a summary, which names the
-    machine-chosen branches that ran (`engine`: torch's int8 engine, auto or forced: precision.py)."""
+    machine-chosen branches that ran (`engine`: torch's int8 engine, auto or forced: precision.py).
+    `precision` "native": `bundle`'s int4 target answers on the native kernels (`threads` of them), and
+    its states are the features (the store's key names the graph, as a `featurize_store` store's does)."""
     engine, engine_record = quant_engine(engine)  # a bad engine fails before the store is touched
     branches = {"aten_dispatch": aten_dispatch(), **({"quant_engine": engine_record} if precision == "int8" else {})}
-    writer = ShardWriter(root, taps, store_key(loaded, prompts, max_new_tokens, taps, temperature, precision))
+    key = store_key(loaded, prompts, max_new_tokens, taps, temperature, precision)
+    passes = None
+    if precision == "native":
+        if bundle is None:
+            raise SpecrtError("native distillation runs a bundle's target: name the bundle (--target BUNDLE)")
+        from specrt.export.training.native_answers import NativePasses
+
+        passes = NativePasses(bundle, slots, MAX_PROMPT + max_new_tokens + 1, taps, threads)
+        key["features"] = {"graph": "target", "sha256": passes.sha256}
+        branches = {"native_kernel": passes.decoder.kernel_record}
+    writer = ShardWriter(root, taps, key)
     have = writer.answer_tokens
     heldout_ids = {p["id"] for p in prompts if p["split"] == "heldout"}
     missing_heldout = any(f"0:{i}" not in writer.done_jobs for i in heldout_ids)
@@ -79,8 +93,9 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
         if writer.pending_rows() >= SHARD_ROWS:
             writer.flush()
 
-    with engine_in_use(engine):  # int8 linears are packed for the engine that runs them
-        module = quantized(loaded.module, precision)
+    if passes is None:
+        with engine_in_use(engine):  # int8 linears are packed for the engine that runs them
+            passes = quantized(loaded.module, precision)
     bar = tqdm(total=tokens, initial=min(counted["train"], tokens), desc="distill answers", unit="tok",
                disable=not progress, smoothing=0.05, mininterval=5)
     t0 = time.perf_counter()
@@ -90,7 +105,7 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
 
     try:
         with engine_in_use(engine):
-            made = answer_jobs(module, jobs_for(loaded, prompts, temperature, writer.done_jobs), max_new_tokens,
+            made = answer_jobs(passes, jobs_for(loaded, prompts, temperature, writer.done_jobs), max_new_tokens,
                                taps, on_done, slots=slots, stop=stop, progress=bar)
     finally:
         writer.flush()  # what finished is kept, even when interrupted

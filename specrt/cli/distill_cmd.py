@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -13,11 +14,32 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _native_bundle(target: Path | None, features_from: Path | None) -> Path:
+    """The bundle `--backend native` runs; the options that backend does not take are refused."""
+    from click.core import ParameterSource
+
+    from specrt.errors import SpecrtError
+
+    ctx = click.get_current_context()
+    for name in ("precision", "quant_engine"):
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            raise SpecrtError(f"--{name.replace('_', '-')} sets the torch backend's arithmetic; --backend native runs "
+                              "the bundle's int4 target as the runtime does: drop it")
+    if features_from is not None:
+        raise SpecrtError("--features-from recomputes torch answers' features; --backend native stores the bundle's "
+                          "own features as it answers: drop it")
+    if target is None or not (target / "manifest.json").is_file():
+        raise SpecrtError(f"--backend native runs an exported bundle's target: pass --target BUNDLE (a folder with "
+                          f"manifest.json, e.g. artifacts/bundles/smollm2-135m-instruct){'' if target is None else f'; {target} is not one'}")
+    return target
+
+
 @click.command("distill")
 @click.option("--target", type=click.Path(path_type=Path), default=None,
               help="Target model folder / .gguf, or a bundle exported from one. Default: the embedded model.")
-@click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help='JSONL prompt corpus, one {"prompt": ..., "split": "train"|"heldout"} per line. Default: the shipped one.')
+@click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), multiple=True,
+              help='JSONL prompt corpus, one {"prompt": ..., "split": "train"|"heldout"} per line; repeat it to join '
+                   "several (their ids must differ). Default: the shipped one.")
 @click.option("--tokens", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Training answer tokens the store should hold (a rerun resumes or extends it).")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -31,6 +53,10 @@ def _interrupt(signum, frame):
 @click.option("--quant-engine", type=click.Choice(["auto", "x86", "fbgemm", "onednn", "qnnpack"]), default="auto",
               show_default=True, help="torch's int8 engine for --precision int8. auto: torch's choice for this CPU, "
                                       "unless SPECRT_QUANT_ENGINE names one. Recorded in the store's runs.jsonl.")
+@click.option("--backend", type=click.Choice(["torch", "native"]), default="torch", show_default=True,
+              help="Who answers. torch: the source model at --precision, then --features-from for the graph's "
+                   "features. native: the --target bundle's int4 target on specrt's kernels, the model the runtime "
+                   "verifies with; its states are the features (no second pass).")
 @click.option("--slots", type=click.IntRange(min=1, max=512), default=64, show_default=True,
               help="Sequences generated at once.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -42,8 +68,8 @@ def _interrupt(signum, frame):
                                  "its own target graph (the features the runtime gives a drafter) into --features-store.")
 @click.option("--features-store", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where --features-from writes (default: the store's folder name + '-graph').")
-def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, quant_engine, slots, threads,
-            store, features_from, features_store):
+def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, precision, quant_engine, backend, slots,
+            threads, store, features_from, features_store):
     """Build a distillation store: the target's answers to the corpus (held-out prompts once, greedy; training
     prompts in rounds, the first greedy, later ones sampled), with its hidden states (fp16) and top-k
     next-token distributions at every position, in memory-mapped shards that `specrt train --store` reads."""
@@ -52,19 +78,22 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
     from specrt.cli.train_cmd import _target_source
     from specrt.export.drafters.base import default_taps
     from specrt.export.loading import load_model
-    from specrt.export.training.corpus import load_prompts
+    from specrt.export.training.corpus import load_corpora
     from specrt.export.training.distill import build_store, default_store, store_key
     from specrt.paths import train_cache_dir
 
+    bundle = _native_bundle(target, features_from) if backend == "native" else None
+    if bundle is not None:
+        precision = "native"
     if threads:
         torch.set_num_threads(threads)
     signal.signal(signal.SIGTERM, _interrupt)  # a stopped run keeps what finished (a rerun resumes)
-    rows = load_prompts(path=prompts)
+    rows = load_corpora(prompts)
     loaded = load_model(_target_source(target), keep_hf=False)
     taps = tuple(default_taps(loaded.module.cfg.num_layers))
     root = store or default_store(train_cache_dir(), store_key(loaded, rows, max_new_tokens, taps, temperature, precision))
     summary = build_store(loaded, rows, root, tokens, max_new_tokens, taps, temperature, precision, slots, max_minutes,
-                          engine=quant_engine)
+                          engine=quant_engine, bundle=bundle, threads=threads or min(os.cpu_count() or 1, 2))
     runs = root / "runs.jsonl"
     with runs.open("a") as f:
         f.write(json.dumps(summary) + "\n")
