@@ -24,6 +24,7 @@ from specrt.errors import SpecrtError
 from specrt.export import drafters
 from specrt.export.drafters.base import default_taps
 from specrt.export.loading import LoadedModel
+from specrt.export.training import checkpoint
 from specrt.export.training.datagen import DistillData, build_data
 from specrt.export.training.objectives import Batch, chain_tau
 from specrt.export.training.precision import METRICS_NAME, aten_dispatch, autocast, train_precision
@@ -47,6 +48,9 @@ class TrainSettings:
     precision: str = "auto"  # auto | bf16 | fp32 (export/training/precision.py)
     save_dtype: str = "fp32"  # the checkpoint's weights: fp32, or fp16 (half the size: a committed drafter)
     options: dict = field(default_factory=dict)  # kind config fields, e.g. num_heads
+    init: str | None = None  # warm start: a checkpoint of the same kind (checkpoint.warm_start)
+    resume: bool = False  # go on with the run saved beside `out` (checkpoint.py)
+    checkpoint_minutes: float = 10.0  # save the drafter and the run this often
 
 
 def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> torch.Tensor:
@@ -68,7 +72,8 @@ def coverage_by_size(top1: torch.Tensor, sizes=(1024, 2048, 4096, 8192, 16384, 3
 def lr_scale(step: int, total: int, seconds: float, limit_seconds: float, warmup: int = 50) -> float:
     """The learning rate's share of its peak: a linear warm-up over `warmup` steps, then a cosine down
     to 0.1 that ends at the step count or the time limit, whichever comes first (a run the limit cuts
-    still finishes at its low rate)."""
+    still finishes at its low rate). A resumed run counts the seconds of the runs before it on both
+    sides, so a run cut by time restarts warm (part-way down the cosine), not at its peak."""
     progress = min(1.0, max(step / total, seconds / limit_seconds))
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
@@ -97,8 +102,10 @@ def train_from_prompts(loaded: LoadedModel, settings: TrainSettings, out: Path, 
     return train(loaded.module, settings, out, data, progress)
 
 
-def train(target, settings: TrainSettings, out: Path, data: DistillData, progress: bool = True) -> dict:
-    """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out`."""
+def train(target, settings: TrainSettings, out: Path, data: DistillData, progress: bool = True,
+          clock=time.perf_counter) -> dict:
+    """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out` (and, beside
+    it, the run's state: checkpoint.py). `clock` times the limit, the schedule, evaluations and saves."""
     kind = settings.kind
     spec = drafters.kind_spec(kind).training
     precision, precision_record = train_precision(settings.precision)  # before any work: a bad value fails fast
@@ -114,6 +121,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     module = drafters.build(drafters.make_config(kind, **options), target)
     if spec.warm_start:
         resolve(spec.warm_start)(module, target, vocab)
+    if settings.init:
+        checkpoint.warm_start(module, Path(settings.init))
     if spec.head_vocab and len(vocab) < target.cfg.vocab_size:  # the head it is trained over is the one exported
         module.set_head_vocab(vocab)
     module.train()
@@ -130,58 +139,103 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     total = max(1, int(settings.epochs * per_epoch))
     eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
     rng = torch.Generator().manual_seed(settings.seed)
-    curve, t0, step, cut, seen, train_seconds = [], time.perf_counter(), 0, False, 0, 0.0
-    limit = settings.max_minutes * 60
-    eval_every = limit / settings.evals  # also by time: a run the limit cuts keeps a curve
-    last_eval = t0
-    bar = tqdm(total=total, desc=f"train {kind}", unit="step", disable=not progress)
-    order: list[int] = []
-    while step < total:
-        if not order:
-            order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
-        seqs, order = order[: settings.batch_seqs], order[settings.batch_seqs :]
-        t_step = time.perf_counter()
-        batch = Batch(data, seqs, label_index)
-        seen += int(batch.length.sum())
-        scale = lr_scale(step, total, time.perf_counter() - t0, limit)
-        for group in opt.param_groups:
-            group["lr"] = lr * scale
-        with autocast(precision):
-            loss, _ = objective(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        train_seconds += time.perf_counter() - t_step
-        cut = time.perf_counter() - t0 > limit
-        if step in eval_at or cut or step == total or time.perf_counter() - last_eval > eval_every:
-            module.eval()
-            accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
-            module.train()
-            point = {"step": step, "epochs": round(step / per_epoch, 3), "tokens_seen": seen,
-                     "seconds": round(time.perf_counter() - t0, 1),
-                     "train_tokens_per_second": round(seen / max(train_seconds, 1e-9), 1),
-                     "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
-                     "tau_est": round(chain_tau(accs), 3)}
-            curve.append(point)
-            last_eval = time.perf_counter()
-            bar.set_postfix(loss=f"{loss.item():.3f}", tau_est=point["tau_est"])
-            if cut:
-                break
+    fixed = asdict(settings)
+    if settings.resume:
+        run = checkpoint.load_run(out, module, opt, rng, fixed)
+        if run.data_sequences != len(data):  # the store grew: a fresh order over all of it
+            run.order = []
+    elif checkpoint.saved_run(out) is not None:
+        raise SpecrtError(f"{checkpoint.state_dir(out)} holds a stopped run of {out}: add --resume to go on with "
+                          "it, or remove that folder to start again")
+    else:
+        run = checkpoint.RunState()
+    run.data_sequences = len(data)
+    t0, cut, interrupted = clock() - run.seconds, False, False
+    limit = settings.max_minutes * 60 + run.seconds
+    eval_every = settings.max_minutes * 60 / settings.evals  # also by time: a run the limit cuts keeps a curve
+    last_eval = last_save = clock()
+    bar = tqdm(total=total, initial=min(run.step, total), desc=f"train {kind}", unit="step", disable=not progress)
+    loss = torch.tensor(float("nan"))
+
+    def save() -> None:
+        run.seconds = clock() - t0
+        _write(module, settings, out, lr, precision, precision_record, run, cut, data, train_seqs, held, vocab, top1)
+        checkpoint.save_run(out, module, opt, rng, run, fixed)
+
+    try:
+        while run.step < total:
+            if not run.order:
+                run.order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
+            seqs = run.order[: settings.batch_seqs]
+            t_step = clock()
+            batch = Batch(data, seqs, label_index)
+            scale = lr_scale(run.step, total, clock() - t0, limit)
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
+            with autocast(precision):
+                loss, _ = objective(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            # the step is done: only now is it counted (a stop before this point redoes the step on --resume)
+            run.step, run.seen, run.order = run.step + 1, run.seen + int(batch.length.sum()), run.order[len(seqs):]
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            run.train_seconds += clock() - t_step
+            cut = clock() - t0 > limit
+            if run.step in eval_at or cut or run.step == total or clock() - last_eval > eval_every:
+                module.eval()
+                accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
+                module.train()
+                point = _point(run, per_epoch, len(train_seqs), clock() - t0, loss, accs)
+                run.curve.append(point)
+                last_eval = clock()
+                bar.set_postfix(loss=f"{loss.item():.3f}", tau_est=point["tau_est"])
+                if cut:
+                    break
+            if run.step < total and clock() - last_save > 60 * settings.checkpoint_minutes:  # (the end saves)
+                module.eval()
+                save()
+                module.train()
+                last_save = clock()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI turns it into this): keep what was trained
+        interrupted = True
     bar.close()
     module.eval()
+    if not interrupted and (not run.curve or run.curve[-1]["step"] != run.step):  # the head as saved
+        accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
+        run.curve.append(_point(run, per_epoch, len(train_seqs), clock() - t0, loss, accs))
+    save()
+    metrics = json.loads((out / "metrics.json").read_text())
+    if interrupted:
+        metrics["interrupted"] = True
+    return metrics
+
+
+def _point(run: checkpoint.RunState, per_epoch: int, train_seqs: int, seconds: float, loss: torch.Tensor,
+           accs: list[float]) -> dict:
+    """One point of the curve: held-out top-1 per draft step against steps, tokens and sequences seen."""
+    return {"step": run.step, "epochs": round(run.step / per_epoch, 3), "tokens_seen": run.seen,
+            "train_sequences": train_seqs, "seconds": round(seconds, 1),
+            "train_tokens_per_second": round(run.seen / max(run.train_seconds, 1e-9), 1),
+            "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
+            "tau_est": round(chain_tau(accs), 3)}
+
+
+def _write(module, settings: TrainSettings, out: Path, lr: float, precision: str, precision_record: dict,
+           run: checkpoint.RunState, cut: bool, data: DistillData, train_seqs: list[int], held: list[int],
+           vocab: torch.Tensor, top1: torch.Tensor) -> None:
+    """The drafter checkpoint at `out` with its metrics.json and τ curve, as the run stands."""
     drafters.save(module, out, settings.save_dtype)
-    metrics = {"kind": kind, "settings": asdict(settings), "lr": lr,
-               "precision": METRICS_NAME[precision], "steps_done": step, "cut_by_max_minutes": cut,
+    metrics = {"kind": settings.kind, "settings": asdict(settings), "lr": lr,
+               "precision": METRICS_NAME[precision], "steps_done": run.step, "cut_by_max_minutes": cut,
                "branches": {"train_precision": precision_record, "aten_dispatch": aten_dispatch()},
                "train_sequences": len(train_seqs), "heldout_sequences": len(held),
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),
                "top1_coverage_by_vocab_size": coverage_by_size(top1),
-               "curve": curve, "final": curve[-1]}
+               "curve": run.curve, "final": run.curve[-1] if run.curve else {}}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    plot_curves({kind: metrics}, out / "tau_curve.png", f"specrt train {kind}")
-    return metrics
+    if run.curve:
+        plot_curves({settings.kind: metrics}, out / "tau_curve.png", f"specrt train {settings.kind}")

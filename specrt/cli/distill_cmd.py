@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import click
 
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+from specrt.cli.options import stop_on_sigterm
 
 
 def _native_bundle(target: Path | None, features_from: Path | None) -> Path:
@@ -87,7 +84,7 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
         precision = "native"
     if threads:
         torch.set_num_threads(threads)
-    signal.signal(signal.SIGTERM, _interrupt)  # a stopped run keeps what finished (a rerun resumes)
+    stop_on_sigterm()  # a stopped run keeps what finished (a rerun resumes)
     rows = load_corpora(prompts)
     loaded = load_model(_target_source(target), keep_hf=False)
     taps = tuple(default_taps(loaded.module.cfg.num_layers))

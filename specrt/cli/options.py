@@ -188,3 +188,14 @@ def echo_exactness(record: dict) -> None:
     click.echo(f"batch invariance on {where}: verify vs plain max |Δlogits| {modes} → {verdict}",
                err=record["chosen"] is None)
 
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a session's end) stops a long command as Ctrl-C does: it keeps what it finished."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)

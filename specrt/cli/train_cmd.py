@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.options import stop_on_sigterm
 from specrt.kinds import learned_kinds
 
 
@@ -61,8 +62,16 @@ def _target_source(target: Path | None) -> Path:
                    "coverage of 1k..32k). EAGLE-3 and block heads cover only these; the other kinds score over them.")
 @click.option("--save-dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="The checkpoint's weights (fp16: half the size, for a drafter to commit or ship).")
+@click.option("--init", "init", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Warm start: a checkpoint of the same kind (e.g. the shipped head); every weight but its draft "
+                   "vocabulary, which the data decides.")
+@click.option("--resume", is_flag=True,
+              help="Go on with the run saved in OUTPUT.train-state (written every --checkpoint-minutes and when a "
+                   "run stops); the store may have grown since.")
+@click.option("--checkpoint-minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Save the drafter, metrics.json and the run's state this often.")
 def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, seed, prompts, max_prompts,
-            max_new_tokens, settings, store, precision, draft_vocab, save_dtype):
+            max_new_tokens, settings, store, precision, draft_vocab, save_dtype, init, resume, checkpoint_minutes):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
     from specrt import kinds
@@ -101,7 +110,9 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
     s = TrainSettings(kind=kind, epochs=epochs or default_epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
                       max_prompts=max_prompts, precision=precision, options=options, draft_vocab=draft_vocab,
-                      save_dtype=save_dtype)
+                      save_dtype=save_dtype, init=str(init) if init else None, resume=resume,
+                      checkpoint_minutes=checkpoint_minutes)
+    stop_on_sigterm()  # a stopped run saves its state (--resume goes on)
     if data is not None:
         from specrt.export.training.loop import train
 
@@ -110,6 +121,7 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
         metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
     final = metrics["final"]
     click.echo(f"{kind}: {metrics['steps_done']} steps in {final['seconds']:.0f}s"
-               f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}; held-out top-1 per step "
+               f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}"
+               f"{' (stopped; --resume goes on)' if metrics.get('interrupted') else ''}; held-out top-1 per step "
                f"{final['top1_per_step']}, τ estimate {final['tau_est']}")
     click.echo(f"checkpoint written: {out}  (next: specrt export --drafter {kind})")

@@ -1,0 +1,132 @@
+"""Where a training run starts from: a warm start from another checkpoint of the same kind (`--init`), or
+the saved state of a stopped run (`--resume`).
+
+A run's state lives in `OUT.train-state/` beside the checkpoint folder OUT (whose writes replace OUT whole)
+and is replaced whole (a temporary folder, then renamed) every
+`checkpoint_minutes`, at the end, and when the run is stopped (Ctrl-C, SIGTERM, the time limit):
+
+    state.safetensors   the drafter's weights (fp32), AdamW's moments and step counts, the data-order RNG
+    state.json          step, tokens seen, seconds trained, the curve so far, the settings that must not
+                        change on resume, AdamW's param groups, and the rest of this epoch's order
+
+Nothing is unpickled: tensors are safetensors, everything else JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specrt.errors import SpecrtError
+
+STATE_SUFFIX = ".train-state"
+TENSORS, META = "state.safetensors", "state.json"
+VOCAB_KEYS = ("d2t", "head_vocab")  # the draft vocabulary: the new data's, never the warm start's
+# settings a resumed run must share with the run it continues (others, such as --max-minutes, may change)
+FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision")
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    seen: int = 0
+    train_seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the runs before this one
+    curve: list = field(default_factory=list)
+    order: list = field(default_factory=list)  # sequence indices left in this epoch
+    data_sequences: int = 0  # the data's size when saved: a grown store redraws the order
+
+
+def warm_start(module, folder: Path) -> int:
+    """Copy every trainable weight of the checkpoint at `folder` (same kind and shapes) into `module`,
+    except its draft vocabulary (the data decides that). Returns the number of tensors copied."""
+    from safetensors.torch import load_file
+
+    from specrt.export.drafters import WEIGHTS, read_config
+    from specrt.export.safetensors_file import check_safetensors
+
+    cfg, _ = read_config(folder)
+    if cfg.kind != module.cfg.kind:
+        raise SpecrtError(f"--init {folder} is a {cfg.kind} checkpoint; this run trains {module.cfg.kind}: "
+                          "pass a checkpoint of the same kind")
+    weights = Path(folder) / WEIGHTS
+    check_safetensors(weights, "train or copy the checkpoint again")
+    state = {k: v for k, v in load_file(weights).items() if k not in VOCAB_KEYS}
+    own = {k: v for k, v in module.trainable_state().items() if k not in VOCAB_KEYS}
+    wrong = [k for k in own if k not in state or tuple(state[k].shape) != tuple(own[k].shape)]
+    if wrong or set(state) - set(own):
+        raise SpecrtError(f"--init {folder} does not fit this {module.cfg.kind} drafter (differs at "
+                          f"{(wrong or sorted(set(state) - set(own)))[:4]}): pass one trained with the same options")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
+    return len(state)
+
+
+def state_dir(out: Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + STATE_SUFFIX)
+
+
+def save_run(out: Path, module, opt: torch.optim.Optimizer, rng: torch.Generator, run: RunState,
+             settings: dict) -> None:
+    """Replace `out`'s saved run with the run as it stands."""
+    from safetensors.torch import save_file
+
+    from specrt.export.bundle import atomic_dir
+
+    tensors = {f"model/{k}": v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in module.trainable_state().items()}
+    opt_state = opt.state_dict()
+    for i, slots in opt_state["state"].items():
+        for name, value in slots.items():
+            tensors[f"opt/{i}/{name}"] = torch.as_tensor(value).contiguous()
+    tensors["rng"] = rng.get_state()
+    meta = {"run": run.__dict__, "settings": {k: settings[k] for k in FIXED},
+            "param_groups": opt_state["param_groups"]}
+    with atomic_dir(state_dir(out)) as tmp:
+        save_file(tensors, tmp / TENSORS)
+        (tmp / META).write_text(json.dumps(meta))
+
+
+def saved_run(out: Path) -> Path | None:
+    folder = state_dir(out)
+    return folder if (folder / META).is_file() else None
+
+
+def load_run(out: Path, module, opt: torch.optim.Optimizer, rng: torch.Generator, settings: dict) -> RunState:
+    """Restore the run saved beside `out` into `module`, `opt` and `rng`; its fixed settings must
+    equal `settings`'."""
+    from safetensors.torch import load_file
+
+    from specrt.export.safetensors_file import check_safetensors
+
+    folder = saved_run(out)
+    if folder is None:
+        raise SpecrtError(f"--resume: {state_dir(out)} holds no saved run; drop --resume to start one")
+    try:
+        meta = json.loads((folder / META).read_text())
+        run = RunState(**meta["run"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecrtError(f"{folder / META} is damaged ({type(e).__name__}): remove {folder} and start again") from None
+    changed = {k: (meta["settings"].get(k), settings[k]) for k in FIXED if meta["settings"].get(k) != settings[k]}
+    if changed:
+        said = ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changed.items())
+        raise SpecrtError(f"--resume: the run in {folder} was started with other settings ({said}): use the "
+                          "same ones, or train into another -o folder")
+    check_safetensors(folder / TENSORS, f"remove {folder} and start again")
+    tensors = load_file(folder / TENSORS)
+    own = module.trainable_state()
+    model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    if set(model) != set(own) or any(tuple(v.shape) != tuple(own[k].shape) for k, v in model.items()):
+        raise SpecrtError(f"{folder} holds a drafter of other shapes: remove it, or train into another -o folder")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in model.items()}, strict=False)
+    slots: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt/"):
+            _, i, name = k.split("/", 2)
+            slots.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
+    rng.set_state(tensors["rng"])
+    return run

@@ -1,0 +1,124 @@
+"""Training that survives restarts: a run stopped part-way and resumed ends bitwise where an unbroken run
+ends; the saved run refuses other settings; a warm start copies every weight but the draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrt.errors import SpecrtError
+from specrt.export import drafters
+from specrt.export.drafters.base import default_taps
+from specrt.export.training import checkpoint, loop
+from specrt.export.training.corpus import load_prompts
+from specrt.export.training.datagen import build_data
+from specrt.export.training.loop import TrainSettings, train
+
+
+class Clock:
+    """A clock that moves only when told: the schedule, the limit and the saves never see real time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def data(real_model):
+    rows = load_prompts("train")[:6] + load_prompts("heldout")[:1]
+    return build_data(real_model, rows, 16, tuple(default_taps(real_model.module.cfg.num_layers)), None, False)
+
+
+def _settings(**kw) -> TrainSettings:
+    return TrainSettings(**{"kind": "eagle3", "epochs": 3, "batch_seqs": 2, "evals": 2, "draft_vocab": 512,
+                            "max_minutes": 60.0, **kw})
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / drafters.WEIGHTS)
+
+
+def test_a_stopped_and_resumed_run_ends_where_an_unbroken_one_does(real_model, data, tmp_path, monkeypatch):
+    whole = train(real_model.module, _settings(), tmp_path / "whole", data, progress=False, clock=Clock())
+    assert whole["steps_done"] == 9 and not whole.get("interrupted")
+
+    calls = {"n": 0}
+    real_batch = loop.Batch
+
+    def stopping_batch(*args):  # a stop (Ctrl-C, SIGTERM) while the 4th step's batch is read
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_batch(*args)
+
+    monkeypatch.setattr(loop, "Batch", stopping_batch)
+    out = tmp_path / "parts"
+    first = train(real_model.module, _settings(), out, data, progress=False, clock=Clock())
+    assert first["interrupted"] and first["steps_done"] == 3
+    assert checkpoint.saved_run(out) is not None and (out / drafters.WEIGHTS).is_file()  # usable as it stands
+    monkeypatch.setattr(loop, "Batch", real_batch)
+    with pytest.raises(SpecrtError, match="--resume"):  # never silently started over
+        train(real_model.module, _settings(), out, data, progress=False, clock=Clock())
+    second = train(real_model.module, _settings(resume=True), out, data, progress=False, clock=Clock())
+    assert second["steps_done"] == 9 and not second.get("interrupted")
+    got, want = _weights(out), _weights(tmp_path / "whole")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert [p["step"] for p in second["curve"]] == [p["step"] for p in whole["curve"]]
+    assert second["curve"][-1]["tokens_seen"] == whole["curve"][-1]["tokens_seen"]
+
+
+def test_resume_refuses_other_settings_and_a_missing_run(real_model, data, tmp_path):
+    out = tmp_path / "d"
+    with pytest.raises(SpecrtError, match="holds no saved run"):
+        train(real_model.module, _settings(epochs=1, resume=True), out, data, progress=False, clock=Clock())
+    train(real_model.module, _settings(epochs=1), out, data, progress=False, clock=Clock())
+    with pytest.raises(SpecrtError, match=r"other settings \(lr None → 0.01\)"):
+        train(real_model.module, _settings(epochs=1, resume=True, lr=0.01), out, data, progress=False, clock=Clock())
+    meta = json.loads((checkpoint.state_dir(out) / checkpoint.META).read_text())
+    assert meta["run"]["step"] == 3 and meta["settings"]["kind"] == "eagle3"
+
+
+def test_checkpoints_are_written_as_the_clock_passes(real_model, data, tmp_path, monkeypatch):
+    clock, saves = Clock(), []
+    real_save = checkpoint.save_run
+
+    def counting_save(out, module, opt, rng, run, settings):
+        saves.append(run.step)
+        clock.now += 1  # nothing else moves the clock
+        real_save(out, module, opt, rng, run, settings)
+
+    real_batch = loop.Batch
+
+    def ticking_batch(*args):
+        clock.now += 40.0  # each step "takes" 40 s of a 1-minute checkpoint period
+        return real_batch(*args)
+
+    monkeypatch.setattr(checkpoint, "save_run", counting_save)
+    monkeypatch.setattr(loop, "Batch", ticking_batch)
+    train(real_model.module, _settings(epochs=1, checkpoint_minutes=1.0), tmp_path / "c", data, progress=False,
+          clock=clock)
+    assert saves == [2, 3], saves  # after the 2nd step (80 s > 60 s), not the 3rd (40 s after), and at the end
+
+
+def test_warm_start_copies_all_but_the_vocabulary(real_model, data, tmp_path):
+    base = tmp_path / "base"
+    train(real_model.module, _settings(epochs=1), base, data, progress=False, clock=Clock())
+    warm = tmp_path / "warm"
+    train(real_model.module, _settings(epochs=1, lr=1e-12, draft_vocab=256, init=str(base)), warm, data,
+          progress=False, clock=Clock())
+    a, b = _weights(base), _weights(warm)
+    assert a["d2t"].shape != b["d2t"].shape  # the vocabulary is the new run's
+    for k in a:
+        if k != "d2t":
+            assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6), k  # a 1e-12 rate moves nothing
+    module = drafters.build(drafters.make_config("mtp"), real_model.module)
+    with pytest.raises(SpecrtError, match="is a eagle3 checkpoint; this run trains mtp"):
+        checkpoint.warm_start(module, base)
