@@ -8,7 +8,7 @@ import ctypes
 
 import numpy as np
 
-from specrt.engines.native.weights import Linear
+from specrt.engines.native.weights import FORMATS, Linear
 
 
 def f32(a: np.ndarray) -> np.ndarray:
@@ -31,11 +31,24 @@ def set_norm(lib: ctypes.CDLL, h: int, layer: int, which: int, weights: np.ndarr
     return lib.spn_set_norm(h, layer, which, ptr(w), w.size) == 0
 
 
-def set_linear(lib: ctypes.CDLL, h: int, layer: int, which: int, lin: Linear) -> bool:
-    q, s = np.ascontiguousarray(lin.q, np.uint8), f32(lin.scales)
+def _linear_args(lin: Linear) -> tuple:
+    """(arrays kept alive, the C call's weight arguments: format, K, N, q, scales, mins, bias and their sizes)."""
+    q = np.ascontiguousarray(lin.q).view(np.uint8) if np.asarray(lin.q).dtype.itemsize == 1 else None
+    if q is None:
+        raise ValueError(f"a projection's blocks are bytes (uint8 or int8), not {np.asarray(lin.q).dtype}")
+    s = f32(lin.scales)
+    m = None if lin.mins is None else f32(lin.mins)
     b = None if lin.bias is None else f32(lin.bias)
-    return lib.spn_set_linear(h, layer, which, lin.k, lin.n, ptr(q), q.size, ptr(s), s.size, ptr(b),
-                              0 if b is None else b.size) == 0
+    if lin.format not in FORMATS:
+        raise ValueError(f"weight format {lin.format!r}: one of {', '.join(FORMATS)}")
+    args = (FORMATS[lin.format], lin.k, lin.n, ptr(q), q.size, ptr(s), s.size, ptr(m), 0 if m is None else m.size,
+            ptr(b), 0 if b is None else b.size)
+    return (q, s, m, b), args
+
+
+def set_linear(lib: ctypes.CDLL, h: int, layer: int, which: int, lin: Linear) -> bool:
+    _keep, args = _linear_args(lin)
+    return lib.spn_set_linear(h, layer, which, *args) == 0
 
 
 def set_rope(lib: ctypes.CDLL, h: int, cos: np.ndarray, sin: np.ndarray) -> bool:
@@ -52,9 +65,8 @@ def set_taps(lib: ctypes.CDLL, h: int, taps: list[int]) -> bool:
 
 def linear_new(lib: ctypes.CDLL, lin: Linear) -> int | None:
     """A product of its own (spn_linear_run); None when refused (library.last_error says why)."""
-    q, s = np.ascontiguousarray(lin.q, np.uint8), f32(lin.scales)
-    b = None if lin.bias is None else f32(lin.bias)
-    return lib.spn_linear_new(lin.k, lin.n, ptr(q), q.size, ptr(s), s.size, ptr(b), 0 if b is None else b.size)
+    _keep, args = _linear_args(lin)
+    return lib.spn_linear_new(*args)
 
 
 def linear_run(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, y: np.ndarray) -> int:

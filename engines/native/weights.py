@@ -21,13 +21,19 @@ from specrt.schema.config import DecoderConfig
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C API's order (spn_set_linear `which`)
 
 
+# weight formats of the kernels (csrc/w4a8.h Format): name -> the library's code
+FORMATS = {"q4": 0, "q4_min": 1, "q8": 2}
+
+
 @dataclass
 class Linear:
     k: int
     n: int
-    q: np.ndarray  # uint8 [N, blocks, 16]: MatMulNBits' packing
+    q: np.ndarray  # q4, q4_min: uint8 [N, blocks, 16] (MatMulNBits' packing); q8: int8 [N, blocks, 32]
     scales: np.ndarray  # float32 [N, blocks]
     bias: np.ndarray | None = None
+    format: str = "q4"  # q4: d·(q - 8); q4_min: d·q + m; q8: d·q (GGUF's Q4_0, Q4_1, Q8_0 blocks)
+    mins: np.ndarray | None = None  # q4_min: float32 [N, blocks]
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The native W4A8 kernels alone: every kernel branch against the scalar reference, bitwise, at every row count
+"""The native block-quantized kernels alone, for every weight format (int4, int4 with minimums, int8: GGUF's
+Q4_0, Q4_1 and Q8_0 blocks): every kernel branch against the scalar reference, bitwise, at every row count
 1..32 and in mixed batches, and against the float product within the int8 activations' rounding."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 from specrt.engines.native import calls, library, weights
 
 KERNELS = list(library.KERNELS)
+FORMATS = list(weights.FORMATS)
 
 
 def needs(kernel: str):
@@ -17,21 +19,34 @@ def needs(kernel: str):
 
 
 class Linear:
-    """A random int4 projection in MatMulNBits' layout, loaded into the library."""
+    """A random projection of weight format `fmt` in the library's input layout, loaded into the library;
+    `dense` is the weights it stands for, [N, K] in float64."""
 
-    def __init__(self, k: int, n: int, seed: int = 0, bias: bool = False):
+    def __init__(self, k: int, n: int, seed: int = 0, bias: bool = False, fmt: str = "q4"):
         rng = np.random.default_rng(seed)
         blocks = -(-k // 32)
-        q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
-        if k % 32:
-            q[:, -1, k % 32:] = 8  # the padding inputs of the last block: weight 0, as the quantizer writes them
-        self.packed = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
         self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
-        self.dense = ((q.astype(np.float64) - 8) * self.scales[..., None]).reshape(n, -1)[:, :k]  # [N, K]
+        self.mins = None
+        if fmt == "q8":
+            q = rng.integers(-128, 128, (n, blocks, 32)).astype(np.int8)
+            if k % 32:
+                q[:, -1, k % 32:] = 0
+            self.packed = np.ascontiguousarray(q)
+            values = q.astype(np.float64)
+        else:
+            q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
+            values = q.astype(np.float64) - 8
+            if fmt == "q4_min":
+                self.mins = (-rng.random((n, blocks)) * 0.15).astype(np.float32)
+                values = q.astype(np.float64) + (self.mins / self.scales)[..., None]
+            if k % 32:
+                q[:, -1, k % 32:] = 8  # padding inputs: never read against a nonzero activation
+            self.packed = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
+        self.dense = (values * self.scales[..., None]).reshape(n, -1)[:, :k]  # [N, K]
         self.bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if bias else None
         self.k, self.n = k, n
         self.lib = library.load()
-        self.h = calls.linear_new(self.lib, weights.Linear(k, n, self.packed, self.scales, self.bias))
+        self.h = calls.linear_new(self.lib, weights.Linear(k, n, self.packed, self.scales, self.bias, fmt, self.mins))
         assert self.h, library.last_error()
 
     def __call__(self, kernel: str, x: np.ndarray, threads: int = 2) -> np.ndarray:
@@ -44,9 +59,9 @@ class Linear:
         self.lib.spn_linear_free(self.h)
 
 
-@pytest.fixture(scope="module")
-def qkv():
-    return Linear(576, 960, seed=1)
+@pytest.fixture(scope="module", params=FORMATS)
+def qkv(request):
+    return Linear(576, 960, seed=1, fmt=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +92,11 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(kernel, qkv, rows):
     assert np.array_equal(qkv(kernel, rows[:12], threads=1), alone)  # and not on the thread split
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_the_product_is_the_float_product_within_int8_rounding(kernel, rows):
+def test_the_product_is_the_float_product_within_int8_rounding(kernel, fmt, rows):
     needs(kernel)
-    lin = Linear(40, 20, seed=4, bias=True)  # K not a whole block, N not a whole tile
+    lin = Linear(40, 20, seed=4, bias=True, fmt=fmt)  # K not a whole block, N not a whole tile
     x = rows[:9, :40]
     exact = x.astype(np.float64) @ lin.dense.T + lin.bias
     got = lin(kernel, x)
@@ -89,6 +105,25 @@ def test_the_product_is_the_float_product_within_int8_rounding(kernel, rows):
     bound = 0.5 * step * np.abs(lin.dense).sum(axis=1)[None, :] + 1e-5 * (1 + np.abs(exact))
     assert np.all(np.abs(got - exact) <= bound), np.abs(got - exact).max()
     assert np.array_equal(got, lin("scalar", x))
+
+
+def test_the_formats_differ_and_a_bad_layout_is_refused():
+    """The same blocks read as another format give another product (each format's arithmetic is its own),
+    and sizes that do not fit the format are an error from C, not a read past an end."""
+    x = np.random.default_rng(5).standard_normal((3, 64)).astype(np.float32)
+    q4, q4m = Linear(64, 16, seed=6), Linear(64, 16, seed=6, fmt="q4_min")
+    assert not np.allclose(q4("scalar", x), q4m("scalar", x))
+    lib = library.load()
+    blocks = np.zeros((16, 2, 16), np.uint8)
+    scales = np.ones((16, 2), np.float32)
+    assert not calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q8"))  # int4-sized blocks
+    assert "packed weights of 512 bytes" in library.last_error()
+    assert not calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q4_min"))  # no minimums
+    assert "0 minimums" in library.last_error()
+    assert not calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q4", mins=scales))
+    assert "32 minimums" in library.last_error()
+    with pytest.raises(ValueError, match="weight format 'q5'"):
+        calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q5"))
 
 
 def test_a_forced_kernel_is_named_in_the_record_and_a_bad_one_refused(monkeypatch):

@@ -48,34 +48,45 @@ struct OwnedWeight : QWeight {
   OwnedWeight() = default;
   OwnedWeight(const OwnedWeight&) = delete;
   OwnedWeight& operator=(const OwnedWeight&) = delete;
-  ~OwnedWeight() {
-    free(packed);
-    free(scales);
-    free(bias);
+  ~OwnedWeight() { release(); }
+  void release() {
+    free(packed), free(scales), free(mins), free(bias);
+    packed = nullptr, scales = nullptr, mins = nullptr, bias = nullptr;
   }
-  // From ONNX Runtime's MatMulNBits layout: q [N][blocks][16] (input 2i in the low nibble of byte i), scales
-  // [N][blocks]; symmetric (zero point 8). Columns past N pad the last tile with zero scales.
-  void load(int k, int n, const uint8_t* q, const float* s, const float* b) {
-    free(packed), free(scales), free(bias);
-    packed = nullptr, scales = nullptr, bias = nullptr;
-    K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
-    size_t nbytes = static_cast<size_t>(tiles) * blocks * kTileBytes;
+  // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
+  // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks]. Columns past N pad
+  // the last tile with zero scales and minimums.
+  void load(int fmt, int k, int n, const uint8_t* q, const float* s, const float* mn, const float* b) {
+    release();
+    format = fmt, K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
+    const int tb = tile_bytes(fmt), src_bytes = fmt == kQ8 ? kBlock : kBlock / 2;
+    const size_t nbytes = static_cast<size_t>(tiles) * blocks * tb, nscales = static_cast<size_t>(tiles) * blocks * kTileN;
     packed = static_cast<uint8_t*>(aligned(nbytes));
-    scales = static_cast<float*>(aligned(static_cast<size_t>(tiles) * blocks * kTileN * sizeof(float)));
-    std::memset(packed, 0x88, nbytes);
-    std::memset(scales, 0, static_cast<size_t>(tiles) * blocks * kTileN * sizeof(float));
+    scales = static_cast<float*>(aligned(nscales * sizeof(float)));
+    std::memset(packed, fmt == kQ8 ? 0x80 : 0x88, nbytes);
+    std::memset(scales, 0, nscales * sizeof(float));
+    if (fmt == kQ4Min) {
+      mins = static_cast<float*>(aligned(nscales * sizeof(float)));
+      std::memset(mins, 0, nscales * sizeof(float));
+    }
     for (int col = 0; col < n; ++col) {
       int t = col / kTileN, c = col % kTileN;
       for (int blk = 0; blk < blocks; ++blk) {
-        const uint8_t* src = q + (static_cast<size_t>(col) * blocks + blk) * (kBlock / 2);
-        uint8_t* dst = packed + (static_cast<size_t>(t) * blocks + blk) * kTileBytes;
+        const uint8_t* src = q + (static_cast<size_t>(col) * blocks + blk) * src_bytes;
+        uint8_t* dst = packed + (static_cast<size_t>(t) * blocks + blk) * tb;
         for (int kk = 0; kk < kBlock; ++kk) {
-          int v = (src[kk / 2] >> (4 * (kk % 2))) & 15;
           int g = kk / 4, j = kk % 4;
+          if (fmt == kQ8) {
+            dst[g * 64 + c * 4 + j] = static_cast<uint8_t>(src[kk] ^ 0x80);  // q + 128
+            continue;
+          }
+          int v = (src[kk / 2] >> (4 * (kk % 2))) & 15;
           uint8_t& byte = dst[(g / 2) * 64 + c * 4 + j];
           byte = (g % 2) ? static_cast<uint8_t>((byte & 0x0F) | (v << 4)) : static_cast<uint8_t>((byte & 0xF0) | v);
         }
-        scales[(static_cast<size_t>(t) * blocks + blk) * kTileN + c] = s[static_cast<size_t>(col) * blocks + blk];
+        const size_t from = static_cast<size_t>(col) * blocks + blk, to = (static_cast<size_t>(t) * blocks + blk) * kTileN + c;
+        scales[to] = s[from];
+        if (mins) mins[to] = mn[from];
       }
     }
     if (b) {
@@ -518,24 +529,34 @@ int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
   return 0;
 }
 
-// A [K, N] projection from MatMulNBits' layout (q_bytes = N * blocks * 16, n_scales = N * blocks, n_bias N or
-// 0), checked against the shapes the model's dimensions give before it is read.
-static bool weight_ok(int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales, int64_t n_scales,
-                      const float* bias, int64_t n_bias) {
+// A [K, N] projection of format `format` (w4a8.h Format): q_bytes = N * blocks * 16 (int4: MatMulNBits' layout)
+// or N * blocks * 32 (int8), n_scales = N * blocks, n_mins = N * blocks for kQ4Min and 0 otherwise, n_bias N or
+// 0; checked against the shapes the model's dimensions give before it is read.
+static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
+                      int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
+  if (!check(format >= 0 && format < kFormatCount, "weight format " + std::to_string(format) + " is not one of 0 (int4), "
+                                                   "1 (int4 with minimums), 2 (int8)"))
+    return false;
   const int64_t blocks = (static_cast<int64_t>(K) + kBlock - 1) / kBlock;
+  const int64_t per_block = format == kQ8 ? kBlock : kBlock / 2;
+  const int64_t want_mins = format == kQ4Min ? static_cast<int64_t>(N) * blocks : 0;
   return check(positive(K) && positive(N), dims("projection", K, N) + " is empty") &&
-         check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * (kBlock / 2),
+         check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * per_block,
                "packed weights of " + std::to_string(q_bytes) + " bytes for " + dims("a projection", K, N)) &&
          check(scales != nullptr && n_scales == static_cast<int64_t>(N) * blocks,
                std::to_string(n_scales) + " scales for " + dims("a projection", K, N)) &&
+         check(n_mins == want_mins && (want_mins == 0 || mins != nullptr),
+               std::to_string(n_mins) + " minimums for " + dims("a projection", K, N) + " of format " +
+                   std::to_string(format) + " (which takes " + std::to_string(want_mins) + ")") &&
          check(bias == nullptr ? n_bias == 0 : n_bias == N, std::to_string(n_bias) + " biases for " +
                                                                std::to_string(N) + " outputs");
 }
 
 // which: 0 q|k|v, 1 o, 2 gate|up, 3 down of layer `layer`; layer -1: which 0 the LM head, which 1 a feature
 // layer's fuse fc (K a multiple of H: the tapped layers' rows side by side; N = H)
-int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q, int64_t q_bytes,
-                   const float* scales, int64_t n_scales, const float* bias, int64_t n_bias) {
+int spn_set_linear(void* h, int layer, int which, int format, int K, int N, const uint8_t* q, int64_t q_bytes,
+                   const float* scales, int64_t n_scales, const float* mins, int64_t n_mins, const float* bias,
+                   int64_t n_bias) {
   Model* m = static_cast<Model*>(h);
   if (!check(layer == -1 || (layer >= 0 && layer < m->L), "layer out of range") ||
       !check(which >= 0 && which <= (layer < 0 ? 1 : 3), "projection kind out of range") ||
@@ -551,11 +572,11 @@ int spn_set_linear(void* h, int layer, int which, int K, int N, const uint8_t* q
                                                        std::to_string(which)) +
                  ": " + dims("weights", K, N) + " where the model's dimensions give " + std::to_string(wantK) +
                  " x " + (wantN ? std::to_string(wantN) : std::string("any"))) ||
-      !weight_ok(K, N, q, q_bytes, scales, n_scales, bias, n_bias))
+      !weight_ok(format, K, N, q, q_bytes, scales, n_scales, mins, n_mins, bias, n_bias))
     return 1;
   OwnedWeight* w = const_cast<OwnedWeight*>(slot(*m, layer, which));
   try {
-    w->load(K, N, q, scales, bias);
+    w->load(format, K, N, q, scales, mins, bias);
   } catch (const std::bad_alloc&) {
     g_error = "out of memory";
     return 1;
@@ -652,13 +673,13 @@ int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in,
                           hidden_in, aux_in});
 }
 
-// One W4A8 product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.
-void* spn_linear_new(int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales, int64_t n_scales,
-                     const float* bias, int64_t n_bias) {
-  if (!weight_ok(K, N, q, q_bytes, scales, n_scales, bias, n_bias)) return nullptr;
+// One block-quantized product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.
+void* spn_linear_new(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
+                     int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
+  if (!weight_ok(format, K, N, q, q_bytes, scales, n_scales, mins, n_mins, bias, n_bias)) return nullptr;
   try {
     std::unique_ptr<OwnedWeight> w = std::make_unique<OwnedWeight>();
-    w->load(K, N, q, scales, bias);
+    w->load(format, K, N, q, scales, mins, bias);
     return w.release();
   } catch (const std::bad_alloc&) {
     g_error = "out of memory";

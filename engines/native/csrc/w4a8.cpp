@@ -1,5 +1,6 @@
-// The W4A8 kernels: a scalar reference (any CPU) and x86 kernels picked at run time, each computing
-// exactly the reference's integers and float sequence (see w4a8.h).
+// The block-quantized kernels (int4, int4 with minimums, int8 weights; int8 activations): a scalar reference
+// (any CPU) and x86 kernels picked at run time, each computing exactly the reference's integers and float
+// sequence (see w4a8.h).
 #include "w4a8.h"
 
 #include <cmath>
@@ -14,10 +15,25 @@ namespace spn {
 namespace {
 
 // ── scalar reference ──────────────────────────────────────────────────────────────────────────────
-inline int nibble(const QWeight& w, int t, int b, int col, int k) {  // k: 0..31 within the block
+inline int weight_at(const QWeight& w, int t, int b, int col, int k) {  // k: 0..31 within the block
   int g = k / 4, j = k % 4;
-  uint8_t byte = w.packed[(static_cast<size_t>(t) * w.blocks + b) * kTileBytes + (g / 2) * 64 + col * 4 + j];
+  const uint8_t* blk = w.packed + (static_cast<size_t>(t) * w.blocks + b) * tile_bytes(w.format);
+  if (w.format == kQ8) return static_cast<int>(blk[g * 64 + col * 4 + j]) - 128;
+  uint8_t byte = blk[(g / 2) * 64 + col * 4 + j];
   return (g % 2) ? (byte >> 4) : (byte & 15);
+}
+
+// One block's step of the float sequence of format `format` (w4a8.h); the vector kernels run the same steps.
+inline float block_step(int format, int32_t isum, int32_t corr, float ws, float wm, float as, float acc) {
+  switch (format) {
+    case kQ4Min:
+      acc = std::fma(static_cast<float>(isum), ws * as, acc);
+      return std::fma(static_cast<float>(corr / 8), wm * as, acc);
+    case kQ8:
+      return std::fma(static_cast<float>(isum), ws * as, acc);
+    default:
+      return std::fma(static_cast<float>(isum - corr), ws * as, acc);
+  }
 }
 
 void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
@@ -30,10 +46,10 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
         float acc = 0.0f;
         for (int b = 0; b < w.blocks; ++b) {
           int32_t isum = 0;
-          for (int k = 0; k < kBlock; ++k) isum += nibble(w, t, b, col, k) * qa[b * kBlock + k];
-          float ws = w.scales[(static_cast<size_t>(t) * w.blocks + b) * kTileN + col];
-          float sc = ws * a.scale[r * a.blocks + b];
-          acc = std::fma(static_cast<float>(isum - a.corr[r * a.blocks + b]), sc, acc);
+          for (int k = 0; k < kBlock; ++k) isum += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
+          size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col;
+          acc = block_step(w.format, isum, a.corr[r * a.blocks + b], w.scales[at], w.mins ? w.mins[at] : 0.0f,
+                           a.scale[r * a.blocks + b], acc);
         }
         y[static_cast<size_t>(r) * ldy + n] = w.bias ? acc + w.bias[n] : acc;
       }
@@ -49,47 +65,81 @@ inline void store_tile(const QWeight& w, int t, const float* acc16, float* yrow)
   for (int i = 0; i < n; ++i) yrow[n0 + i] = w.bias ? acc16[i] + w.bias[n0 + i] : acc16[i];
 }
 
-// ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs), summed in s16 over a block, + vpmaddwd -> s32 ───────────
-template <int R>
+// ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd -> s32, on two 8-column halves ───────────────────
+// int4: the pairs are summed in s16 over the whole block (each pair within ±2·15·127 = ±3810, eight of them
+// within ±30480 < 2^15: no sum saturates), then one vpmaddwd widens them. int8: vpmaddubsw takes |w| and the
+// activation with w's sign (vpsignb), so a pair is within ±2·128·127 = ±32512; each group widens at once.
+template <int R, int F>
 __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct& a, int r0, int t, float* y,
                                                     int ldy) {
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  constexpr int TB = tile_bytes(F);
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
+  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
-    for (int c = 0; c < 4; ++c)  // 4 KiB ahead, as tile_vnni
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (b + 16) * kTileBytes + c * 64), _MM_HINT_T0);
-    __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups
-    for (int c = 0; c < 4; ++c) {
-      __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * kTileBytes + c * 64));
-      __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * kTileBytes + c * 64 + 32));
-      wl[2 * c] = _mm256_and_si256(v0, m4);
-      wl[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-      wh[2 * c] = _mm256_and_si256(v1, m4);
-      wh[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+    for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+    __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups (int8: signed)
+    if (F == kQ8) {
+      for (int g = 0; g < 8; ++g) {
+        wl[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
+        wh[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)),
+                                 flip);
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64));
+        __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64 + 32));
+        wl[2 * c] = _mm256_and_si256(v0, m4);
+        wl[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        wh[2 * c] = _mm256_and_si256(v1, m4);
+        wh[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+      }
     }
     __m256 wsl = _mm256_loadu_ps(ws + b * kTileN), wsh = _mm256_loadu_ps(ws + b * kTileN + 8);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int row = r0 + r;
       const int8_t* qa = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
-      // pairs summed in int16 over the whole block: each pair is within ±2·15·127 = ±3810, eight of them
-      // within ±30480 < 2^15, so no sum saturates; then one vpmaddwd widens them to int32
-      __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        int32_t four;
-        std::memcpy(&four, qa + 4 * g, 4);
-        __m256i av = _mm256_set1_epi32(four);
-        pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wl[g], av));
-        ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(wh[g], av));
+      const int32_t corr = a.corr[row * a.blocks + b];
+      __m256i sl, sh;
+      if (F == kQ8) {
+        sl = sh = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          int32_t four;
+          std::memcpy(&four, qa + 4 * g, 4);
+          __m256i av = _mm256_set1_epi32(four);
+          sl = _mm256_add_epi32(sl, _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(_mm256_abs_epi8(wl[g]), _mm256_sign_epi8(av, wl[g])), ones));
+          sh = _mm256_add_epi32(sh, _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(_mm256_abs_epi8(wh[g]), _mm256_sign_epi8(av, wh[g])), ones));
+        }
+      } else {
+        __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          int32_t four;
+          std::memcpy(&four, qa + 4 * g, 4);
+          __m256i av = _mm256_set1_epi32(four);
+          pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wl[g], av));
+          ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(wh[g], av));
+        }
+        sl = _mm256_madd_epi16(pl, ones), sh = _mm256_madd_epi16(ph, ones);
+        if (F == kQ4) {
+          __m256i zp = _mm256_set1_epi32(corr);
+          sl = _mm256_sub_epi32(sl, zp), sh = _mm256_sub_epi32(sh, zp);
+        }
       }
-      __m256i sl = _mm256_madd_epi16(pl, ones), sh = _mm256_madd_epi16(ph, ones);
-      __m256i corr = _mm256_set1_epi32(a.corr[row * a.blocks + b]);
       __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
-      lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sl, corr)), _mm256_mul_ps(wsl, as), lo[r]);
-      hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sh, corr)), _mm256_mul_ps(wsh, as), hi[r]);
+      lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
+      if (F == kQ4Min) {
+        __m256 asum = _mm256_set1_ps(static_cast<float>(corr / 8));
+        lo[r] = _mm256_fmadd_ps(asum, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
+        hi[r] = _mm256_fmadd_ps(asum, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
+      }
     }
   }
   alignas(32) float out[kTileN];
@@ -101,34 +151,43 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
 }
 
 // ── AVX-512 VNNI: one vpdpbusd multiplies 4 inputs of 16 columns by a broadcast dword of activations ───────
-template <int R>
+// (unsigned weights: int4 nibbles, or int8 stored as q + 128, whose offset the start value takes back out)
+template <int R, int F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vnni(const QWeight& w,
                                                                                    const QAct& a, int r0, int t,
                                                                                    float* y, int ldy) {
+  constexpr int TB = tile_bytes(F);
   const __m512i m4 = _mm512_set1_epi8(15);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * kTileBytes;
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
+  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
     // this block's rows compute, so the products of several rows overlap the memory traffic
-    for (int c = 0; c < 4; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (b + 16) * kTileBytes + c * 64), _MM_HINT_T0);
+    for (int c = 0; c < TB / 64; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
     __m512i wv[8];
-    for (int c = 0; c < 4; ++c) {
-      __m512i v = _mm512_load_si512(wp + b * kTileBytes + c * 64);
-      wv[2 * c] = _mm512_and_si512(v, m4);
-      wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if (F == kQ8) {
+      for (int g = 0; g < 8; ++g) wv[g] = _mm512_load_si512(wp + b * TB + g * 64);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        __m512i v = _mm512_load_si512(wp + b * TB + c * 64);
+        wv[2 * c] = _mm512_and_si512(v, m4);
+        wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      }
     }
     __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int row = r0 + r;
       const int32_t* qa = reinterpret_cast<const int32_t*>(a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock);
-      // the sum starts at -8 * sum(q_a) (the zero point); with one row, two chains (even / odd groups) hide
-      // the latency. Integer sums either way: neither choice can change the result.
-      __m512i s = _mm512_set1_epi32(-a.corr[row * a.blocks + b]);
+      const int32_t corr = a.corr[row * a.blocks + b];
+      // the sum starts at minus the weights' offset times sum(q_a) (int4: 8, int8: 128; none for kQ4Min); with
+      // one row, two chains (even / odd groups) hide the latency. Integer sums either way: neither choice can
+      // change the result.
+      __m512i s = _mm512_set1_epi32(F == kQ4 ? -corr : F == kQ8 ? -16 * corr : 0);
       if (R == 1) {
         __m512i s1 = _mm512_setzero_si512();
         for (int g = 0; g < 8; g += 2) {
@@ -141,8 +200,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(wv[g]), "m"(qa[g]));
       }
-      __m512 sc = _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[r]);
+      __m512 as = _mm512_set1_ps(a.scale[row * a.blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, as), acc[r]);
+      if (F == kQ4Min)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(corr / 8)),
+                                 _mm512_mul_ps(_mm512_loadu_ps(wm + b * kTileN), as), acc[r]);
     }
   }
   alignas(64) float out[kTileN];
@@ -154,10 +216,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
 
 using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 
-const TileFn kAvx2Tiles[kRowTile + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
-                                    tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
-const TileFn kVnniTiles[kRowTile + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>,
-                                    tile_vnni<5>, tile_vnni<6>, tile_vnni<7>, tile_vnni<8>};
+#define SPN_TILES(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, fn<5, F>, fn<6, F>, fn<7, F>, fn<8, F>}
+const TileFn kAvx2Tiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
+                                                       SPN_TILES(tile_avx2, kQ8)};
+const TileFn kVnniTiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_vnni, kQ4), SPN_TILES(tile_vnni, kQ4Min),
+                                                       SPN_TILES(tile_vnni, kQ8)};
+#undef SPN_TILES
 
 void gemm_tiles(const TileFn* fns, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
   for (int t = t0; t < t1; ++t) {
@@ -192,10 +256,10 @@ void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, i
   switch (isa) {
 #ifdef SPN_X86
     case kAvx2:
-      gemm_tiles(kAvx2Tiles, w, a, y, ldy, t0, t1);
+      gemm_tiles(kAvx2Tiles[w.format], w, a, y, ldy, t0, t1);
       return;
     case kAvx512Vnni:
-      gemm_tiles(kVnniTiles, w, a, y, ldy, t0, t1);
+      gemm_tiles(kVnniTiles[w.format], w, a, y, ldy, t0, t1);
       return;
 #endif
     default:
