@@ -47,6 +47,9 @@ class ExportOptions:
     drafters: tuple = ()  # learned drafters: (kind, checkpoint folder or None for the trained default)
     quantize: str | None = None  # "int4" / "int8": weight-only MatMulNBits for every graph (export/quantize.py)
     threads: int = 2  # ONNX Runtime threads the batch-invariance measurement runs with (the runtime default)
+    # int4 from a GGUF: carry its Q4_0 / Q4_1 / Q8_0 blocks as they are (export/gguf_blocks.py); True quantizes
+    # the dequantized weights again (round to nearest, symmetric int4 blocks of 32: lossier)
+    requantize: bool = False
 
 
 def draft_layer_count(requested: int | str | None, target_layers: int) -> int:
@@ -162,15 +165,34 @@ def _versions() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str) -> dict:
-    """Quantize every graph in place (after the fp32 parity check); returns the manifest record."""
+def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, blocks: dict | None = None) -> dict:
+    """Quantize every graph in place (after the fp32 parity check); returns the manifest record. `blocks`:
+    per role, the model file's own blocks by weight name, carried as they are (the others are quantized)."""
     s = quantize.scheme(name)
     record = {**quantize.describe(name), "matmuls": {}}
+    blocks = blocks or {}
+    if blocks:
+        record["from_model_file"] = {role: {"weights": len(b), "formats": sorted({x.format for x in b.values()})}
+                                     for role, b in blocks.items()}
     for role, entry in graphs.items():
         path = folder / entry.file
-        record["matmuls"][role] = quantize.quantize_file(path, s)
+        record["matmuls"][role] = quantize.quantize_file(path, s, blocks.get(role))
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
     return record
+
+
+def model_file_blocks(target: LoadedModel, opts: ExportOptions, draft_is_copy: bool) -> dict:
+    """Per role, the GGUF's own blocks by graph weight name, when int4 is asked of a GGUF target (and not
+    --requantize): the target's, and the truncated draft's (the target's first layers, under the same names)."""
+    source = Path(target.source)
+    if opts.quantize != "int4" or opts.requantize or source.suffix.lower() != ".gguf":
+        return {}
+    from specrt.export.gguf_blocks import projection_blocks
+
+    blocks = projection_blocks(source, target.module.cfg)
+    if not blocks:
+        return {}
+    return {"target": blocks, **({"draft": blocks} if draft_is_copy else {})}
 
 
 def resolve_drafters(requested) -> list[tuple[str, Path]]:
@@ -214,7 +236,7 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
         steps.set_postfix_str("loading weights")
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)
         learned = load_drafters(target, folders)
-        draft_module, draft_source = None, ""
+        draft_module, draft_source, draft_is_copy = None, "", False
         roles = {k: drafters.kind_spec(k).bundle_role for k in learned}
         role_kind = next((k for k, role in roles.items() if role == "draft"), None)
         if role_kind:  # a kind that fills the draft role (the fine-tuned truncated draft) replaces the plain copy
@@ -224,7 +246,7 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
             check_same_tokenizer(target, draft)
             draft_module, draft_source = draft.module, str(opts.draft_model)
         elif layers := draft_layer_count(opts.draft_layers, target.module.cfg.num_layers):
-            draft_module = truncated_draft(target.module, layers)
+            draft_module, draft_is_copy = truncated_draft(target.module, layers), True
             draft_source = f"{target.source} (first {layers} of {target.module.cfg.num_layers} layers)"
         steps.update()
 
@@ -264,7 +286,8 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
                 artifacts["reference_io"] = save_references(modules, graphs, tmp, taps)
             if opts.quantize:
                 steps.set_postfix_str(f"quantizing ({opts.quantize})")
-                artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize)
+                blocks = model_file_blocks(target, opts, draft_is_copy)
+                artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize, blocks)
             steps.update()
             manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
                                 artifacts=artifacts, drafters=drafter_entries)

@@ -79,10 +79,71 @@ def untie_head(model: onnx.ModelProto) -> int:
     return done
 
 
-def quantize_model(model: onnx.ModelProto, s: Scheme) -> tuple[onnx.ModelProto, int]:
-    """The quantized model and the number of MatMulNBits nodes in it."""
+def exact_zero_points(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Float zero points z with fl(-z·d) == m wherever a float32 z achieves it, else within an ulp of m
+    (MatMulNBits computes a block's weights as (q - z)·d, so d·q + m needs z = -m/d; the native backend
+    reads m back as -z·d; where d·ulp(z) exceeds ulp(m) no z is exact: ~10 % of Q4_1 blocks)."""
+    z = (-mins / scales).astype(np.float32)
+    for _ in range(4):  # the quotient's rounding: a neighbour of it gives m back exactly
+        off = (-z * scales) != mins
+        if not off.any():
+            break
+        up = (-z * scales) < mins
+        z = np.where(off, np.nextafter(z, np.where(up, -np.inf, np.inf).astype(np.float32)), z).astype(np.float32)
+    return z
+
+
+def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) -> tuple[onnx.NodeProto, list]:
+    """`MatMul(x, W)` as a MatMulNBits over `blocks` (export/gguf_blocks.py: the model file's own blocks,
+    carried as they are): q4 4-bit symmetric, q4_min 4-bit with float zero points, q8 8-bit symmetric."""
+    fmt, n, k = blocks.format, blocks.n, blocks.k
+    tag = "Q8" if fmt == "q8" else "Q4"
+    q, scales, arrays = blocks.q, blocks.scales, {}
+    if fmt == "q8":
+        q = blocks.q.view(np.uint8) ^ np.uint8(0x80)  # MatMulNBits' 8-bit zero point is 128
+    if fmt == "q4_min":
+        flat = scales == 0  # d = 0: every weight of the block is m; codes 0, scale -m, zero point 1 say so exactly
+        q, scales = np.where(flat[..., None], np.uint8(0), q), np.where(flat, -blocks.mins, scales)
+        arrays["zero_points"] = np.where(flat, np.float32(1), exact_zero_points(np.where(flat, 1, scales), blocks.mins))
+    arrays = {tag: np.ascontiguousarray(q, np.uint8), "scales": scales.astype(np.float32).reshape(-1),
+              **{key: v.astype(np.float32).reshape(-1) for key, v in arrays.items()}}
+    inits = [numpy_helper.from_array(v, f"{weight}_{key}") for key, v in arrays.items()]
+    inputs = [node.input[0], *(f"{weight}_{key}" for key in arrays)]
+    new = onnx.helper.make_node("MatMulNBits", inputs, list(node.output), name=f"{node.name}_{tag}", domain="com.microsoft",
+                                K=k, N=n, bits=8 if fmt == "q8" else 4, block_size=32, accuracy_level=accuracy_level)
+    return new, inits
+
+
+def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> int:
+    """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, after
+    checking that they are that weight (the graph's fp32 values, to float rounding); returns how many."""
+    inits = {t.name: t for t in model.graph.initializer}
+    done = 0
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in blocks:
+            continue
+        weight = node.input[1]
+        b = blocks[weight]
+        want = numpy_helper.to_array(inits[weight])  # [K, N]
+        got = b.dense()
+        if got.shape != want.T.shape or not np.allclose(got, want.T, rtol=2**-20, atol=0):
+            raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
+                              "(export with --requantize to quantize them again)")
+        new, extra = blocks_node(node, weight, b, s.accuracy_level)
+        model.graph.node.remove(node)
+        model.graph.node.insert(i, new)
+        model.graph.initializer.extend(extra)
+        done += 1
+    return done
+
+
+def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None) -> tuple[onnx.ModelProto, int]:
+    """The quantized model and the number of MatMulNBits nodes in it. `blocks`: weights to carry as the
+    model file's own blocks (carry_blocks); the others are quantized by ONNX Runtime's quantizer."""
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
+    if blocks:
+        carry_blocks(model, blocks, s)
     config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
     log = logging.getLogger("onnxruntime.quantization")  # it logs every node it skips at INFO
     level = log.level
@@ -102,12 +163,12 @@ def quantize_model(model: onnx.ModelProto, s: Scheme) -> tuple[onnx.ModelProto, 
     return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node)
 
 
-def quantize_file(path: Path, s: Scheme) -> int:
+def quantize_file(path: Path, s: Scheme, blocks: dict | None = None) -> int:
     """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the
     number of quantized MatMuls. Written under the final names in a scratch folder, then moved over."""
     path = Path(path)
     data = path.name + ".data"
-    out, count = quantize_model(onnx.load(str(path), load_external_data=True), s)
+    out, count = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         onnx.save_model(out, str(Path(scratch) / path.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data, size_threshold=1024)

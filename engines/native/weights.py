@@ -83,19 +83,30 @@ def decoder_unsupported(path: Path, cfg: DecoderConfig) -> str:
 
 
 def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
+    """A MatMulNBits node as the kernels' blocks: 4-bit symmetric (q4), 4-bit with float zero points (q4_min:
+    a GGUF Q4_1's d·q + m, the minimum read back as -z·d) or 8-bit symmetric (q8), blocks of 32."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    if attrs.get("bits") != 4 or attrs.get("block_size") != 32 or len(node.input) > 3 and node.input[3]:
-        raise SpecrtError(f"{path}: {node.name} is not symmetric 4-bit, block 32 (bits {attrs.get('bits')}, block "
-                          f"{attrs.get('block_size')}): the native backend runs int4 bundles (`specrt export "
+    bits, zp_name = attrs.get("bits"), node.input[3] if len(node.input) > 3 else ""
+    zp = tensor_array(path, inits[zp_name]) if zp_name else None
+    if attrs.get("block_size") != 32 or bits not in (4, 8) or (zp is not None and (bits != 4 or zp.dtype != np.float32)):
+        raise SpecrtError(f"{path}: {node.name} is {bits}-bit, block {attrs.get('block_size')}"
+                          f"{', with integer zero points' if zp is not None else ''}: the native backend runs blocks "
+                          "of 32, 4-bit (symmetric or with float zero points) or 8-bit symmetric (`specrt export "
                           "--quantize int4`); use --backend ort")
     k, n = int(attrs["K"]), int(attrs["N"])
     blocks = (k + 31) // 32
+    width = 16 if bits == 4 else 32
     q, scales = tensor_array(path, inits[node.input[1]]), tensor_array(path, inits[node.input[2]])
-    if q.size != n * blocks * 16 or scales.size != n * blocks:
+    if q.size != n * blocks * width or scales.size != n * blocks or (zp is not None and zp.size != n * blocks):
         raise SpecrtError(f"{path}: {node.name} holds {q.size} weight bytes and {scales.size} scales where its K {k} "
-                          f"and N {n} need {n * blocks * 16} and {n * blocks}: export the bundle again")
-    return Linear(k, n, np.ascontiguousarray(q, np.uint8).reshape(n, blocks, 16),
-                  np.ascontiguousarray(scales, np.float32).reshape(n, blocks))
+                          f"and N {n} need {n * blocks * width} and {n * blocks}: export the bundle again")
+    q = np.ascontiguousarray(q, np.uint8).reshape(n, blocks, width)
+    scales = np.ascontiguousarray(scales, np.float32).reshape(n, blocks)
+    if bits == 8:
+        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales, format="q8")
+    if zp is None:
+        return Linear(k, n, q, scales)
+    return Linear(k, n, q, scales, format="q4_min", mins=(-zp.reshape(n, blocks) * scales).astype(np.float32))
 
 
 def int4_projection(path: Path, inits: dict, by_weight: dict, weight: str) -> Linear:

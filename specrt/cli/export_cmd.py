@@ -45,8 +45,12 @@ def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
               help="Weight-only quantization of every graph for CPU (ONNX Runtime MatMulNBits, block 32, int8 "
                    "compute). The quantized target is the target: speculative output equals its own plain output.")
+@click.option("--requantize", is_flag=True,
+              help="With --quantize int4 on a GGUF: quantize its dequantized weights again (symmetric int4) instead "
+                   "of carrying its Q4_0 / Q4_1 / Q8_0 blocks as they are (the default: the model file's own weights).")
 @click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
-def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, no_parity_check):
+def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, requantize,
+            no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.bundle import ExportOptions, export_bundle
     from specrt.export.default_model import default_model_path
@@ -55,10 +59,12 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     out = output if output is not None else default_bundle()
     if drafter_weights is not None and len(drafter_kinds) != 1:
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
+    if requantize and (quantize != "int4" or Path(model).suffix.lower() != ".gguf"):
+        raise click.UsageError("--requantize chooses how --quantize int4 treats a GGUF's blocks: it needs both")
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())
     opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,
-                         quantize=quantize)
+                         quantize=quantize, requantize=requantize)
     manifest = export_bundle(model, out, opts)
     checks = manifest.artifacts.get("parity_max_abs_logits", {})
     for role, g in manifest.graphs.items():
