@@ -45,7 +45,8 @@ class NativePasses:
         out = self.decoder.run_all(ids, pos, past, mask, index)
         b, t = ids.shape
         hidden = out["hidden_states"].reshape(b * t, -1).astype(np.float16)
-        aux = out["aux_hidden_states"].reshape(b * t, -1).astype(np.float16)
+        aux = out["aux_hidden_states"].reshape(b * t, -1).astype(np.float16) if self.taps else np.zeros((b * t, 0),
+                                                                                                        np.float16)
         return torch.from_numpy(out["logits"].reshape(b * index.shape[1], -1).copy()), hidden, aux
 
     def prefill(self, b: int, prompt: list[int]):
