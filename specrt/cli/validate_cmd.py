@@ -1,5 +1,6 @@
-"""`specrt validate`: checks of a bundle's graphs: --lossless (the statistical sampling check) and
---polygraphy (the graphs' outputs vs the PyTorch reference saved at export, through Polygraphy)."""
+"""`specrt validate`: checks of a bundle's graphs: --lossless (the statistical sampling check),
+--polygraphy (the graphs' outputs vs the PyTorch reference saved at export, through Polygraphy) and
+--quality (the target against the fp32 model of its source, teacher-forced: tools/quality.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ from specrt.errors import SpecrtError
 @click.option("--polygraphy", is_flag=True,
               help="Polygraphy: ONNX Runtime outputs vs the PyTorch reference saved at export (and TensorRT vs "
                    "ONNX Runtime where engines exist), held to bounds by precision (engines/trt/polygraphy_rules.py).")
+@click.option("--quality", is_flag=True,
+              help="The target vs the fp32 model of its source's values on held-out chat, teacher-forced: perplexity "
+                   "ratio (≤ 1.02 passes) and top-1 agreement (≥ 0.95), KL (needs specrt[export]).")
+@click.option("--quality-prompts", type=click.IntRange(min=1), default=10, show_default=True,
+              help="--quality: held-out prompts scored.")
+@click.option("--quality-tokens", type=click.IntRange(min=2), default=48, show_default=True,
+              help="--quality: the reference's greedy answer tokens per prompt.")
 @click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
 @click.option("--tree", type=UTF8, default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
@@ -31,10 +39,11 @@ from specrt.errors import SpecrtError
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @functools.partial(verify_option, help="First check every bundle file against the SHA-256 digests in manifest.json "
                    "(each one hashed again).")
-def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k, seed, threads, as_json, verify):
+def command(bundle, lossless, polygraphy, quality, quality_prompts, quality_tokens, drafter, tree, samples, length,
+            top_k, seed, threads, as_json, verify):
     """Validate BUNDLE; exits 0 only if every requested check passes."""
-    if not (lossless or polygraphy):
-        raise SpecrtError("choose a check: --lossless and/or --polygraphy")
+    if not (lossless or polygraphy or quality):
+        raise SpecrtError("choose a check: --lossless, --polygraphy and/or --quality")
     if verify:  # before the checks: their verdicts say nothing about files that are not the exported ones
         from specrt.schema.integrity import verify_bundle
         from specrt.schema.manifest import Manifest
@@ -46,8 +55,10 @@ def command(bundle, lossless, polygraphy, drafter, tree, samples, length, top_k,
         reports["polygraphy"] = _polygraphy(resolve_bundle(bundle), threads, as_json)
     if lossless:
         reports["lossless"] = _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json)
-    if as_json:  # --lossless alone prints its report as before; with --polygraphy, one object keyed by check
-        click.echo(json.dumps(reports if polygraphy else reports["lossless"]))
+    if quality:
+        reports["quality"] = _quality(resolve_bundle(bundle), quality_prompts, quality_tokens, threads, as_json)
+    if as_json:  # --lossless alone prints its report as before; with other checks, one object keyed by check
+        click.echo(json.dumps(reports["lossless"] if set(reports) == {"lossless"} else reports))
     if any(r["verdict"] != "pass" for r in reports.values()):
         raise SystemExit(1)
 
@@ -60,6 +71,19 @@ def _polygraphy(bundle, threads, as_json) -> dict:
         for line in format_report(report):
             click.echo(line)
     return report
+
+
+def _quality(bundle, prompts, tokens, threads, as_json) -> dict:
+    from specrt.tools.quality import quality_check
+
+    r = quality_check(bundle, prompts, tokens, threads=threads)
+    if not as_json:
+        b = r["bounds"]
+        click.echo(f"quality ({r['backend']}, {r['positions']} held-out positions vs {r['reference']} in fp32): "
+                   f"perplexity {r['perplexity']:.3f} vs {r['reference_perplexity']:.3f} (ratio {r['ratio']:.4f}, bound "
+                   f"{b['max_ratio']}), top-1 agreement {r['top1_agreement']:.3f} (bound {b['min_top1']}), KL "
+                   f"{r['kl']:.4f} → {r['verdict']}")
+    return r
 
 
 def _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json) -> dict:
