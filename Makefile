@@ -25,7 +25,7 @@ TRAIN_MINUTES ?= 20
 # Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
 STORE ?= $(SPECRT_HOME)/train/store
 DISTILL_TOKENS ?= 1000000
-# The drafter shipped for the default model (weights in git; `make train-shipped` reproduces it). One
+# The drafter shipped for the default model (weights in git; `make train-shipped` trains it on, warm). One
 # trained under $(SPECRT_HOME)/drafters of the same kind takes its place.
 SHIPPED_DRAFTERS ?= drafters/smollm2-135m-instruct
 TRAINED := $(wildcard $(SPECRT_HOME)/drafters/*/model.safetensors $(SHIPPED_DRAFTERS)/*/model.safetensors)
@@ -105,21 +105,23 @@ bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 tune: build
 	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
-# The target's answers at scale (resumable: run it again to go on after a stop), then every position's
-# features recomputed by the bundle's own int4 target graph (what the runtime feeds a drafter): $(STORE)-graph.
+# The deployed target's own answers at scale, with its own states as the features (resumable: run it again
+# to go on after a stop).
 distill: build
-	$(SPECRT) distill --tokens $(DISTILL_TOKENS) --store $(STORE) --features-from $(BUNDLE)
+	$(SPECRT) distill --backend native --target $(BUNDLE) --prompts specrt/data/train_prompts.jsonl \
+		--prompts $(SHIPPED_DRAFTERS)/prompts/magpie.jsonl --tokens $(DISTILL_TOKENS) --slots 32 --store $(STORE)
 
 # Self-distil every drafter kind for the default model on the graph-featured store (≤ TRAIN_MINUTES each).
 train: distill
-	for k in $(KINDS); do $(SPECRT) train $$k --store $(STORE)-graph --max-minutes $(TRAIN_MINUTES) || exit 1; done
+	for k in $(KINDS); do $(SPECRT) train $$k --store $(STORE) --max-minutes $(TRAIN_MINUTES) || exit 1; done
 	$(SPECRT) export -o $(BUNDLE) $(if $(QUANTIZE),--quantize $(QUANTIZE)) $(DRAFTER_FLAGS)
 
 # The shipped drafter, trained again with the command its metrics.json records (SHIPPED_TRAIN_FLAGS).
 SHIPPED_KIND ?= eagle3
-SHIPPED_TRAIN_FLAGS ?= --epochs 30 --max-minutes 17 --batch 8 --lr 1e-3 --steps 3 --save-dtype fp16
+SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 3 --max-minutes 16 --batch 8 --lr 5e-4 --steps 3 \
+	--save-dtype fp16
 train-shipped: distill
-	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE)-graph $(SHIPPED_TRAIN_FLAGS) -o $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND)
+	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE) $(SHIPPED_TRAIN_FLAGS) -o $(SPECRT_HOME)/drafters/$(SHIPPED_KIND)
 
 # Learned drafters on the held-out prompts (2 per category), side by side with plain and ngram.
 bench-drafters: build
