@@ -34,15 +34,19 @@ def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: in
     try:
         import torch
 
-        from specrt.cli.train_cmd import _target_source
         from specrt.export.loading import load_model
         from specrt.export.training.corpus import load_prompts
         from specrt.export.training.datagen import encode
     except ImportError as e:
         raise SpecrtError(f"--quality runs the source model in torch ({e}): pip install 'specrt[export]'") from None
     from specrt.runtime.target import TargetModel
+    from specrt.schema.manifest import Manifest
 
-    loaded = load_model(_target_source(Path(bundle)), keep_hf=False)
+    source = Path(Manifest.load(bundle).target.source)
+    if not source.exists():
+        raise SpecrtError(f"--quality compares {bundle} with the model it was exported from, {source}, which no longer "
+                          "exists here: export the bundle again from a model on this machine")
+    loaded = load_model(source, keep_hf=False)
     module = loaded.module
 
     @torch.no_grad()

@@ -150,4 +150,4 @@ def test_missing_reference_files_say_to_reexport(bundle, tmp_path):
 
 def test_validate_needs_a_check(bundle):
     proc = specrt("validate", bundle)
-    assert_one_line_error(proc, "choose a check: --lossless and/or --polygraphy")
+    assert_one_line_error(proc, "choose a check: --lossless, --polygraphy and/or --quality")
