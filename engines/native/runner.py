@@ -71,6 +71,13 @@ class NativeDecoder(Decoder):
             self.lib.spn_model_free(h)
             self._h = None
 
+    def tap(self, layers: list[int]) -> None:
+        """Output the inputs of `layers` as aux_hidden_states from now on (a distillation store's taps, which
+        may differ from the graph's own)."""
+        if not calls.set_taps(self.lib, self._h, list(layers)):
+            raise SpecrtError(f"native backend: taps {list(layers)}: {library.last_error()}")
+        self.taps = list(layers)
+
     def output_shape(self, name: str) -> tuple | None:
         cfg = self.cfg
         shapes = {"logits": ("batch", "rows", cfg.vocab_size), "hidden_states": ("batch", "tokens", cfg.hidden_size)}

@@ -18,15 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.errors import SpecrtError
-
 
 class NativePasses:
     """The target of `bundle` on the native kernels (an int4 bundle: the decoder refuses others with the fix),
     `slots` sequences of `capacity` rows, tapping `taps`."""
 
     def __init__(self, bundle: Path, slots: int, capacity: int, taps: tuple[int, ...], threads: int):
-        from specrt.engines.native import calls, library
         from specrt.engines.native.runner import NativeDecoder
         from specrt.schema.manifest import Manifest
 
@@ -36,17 +33,14 @@ class NativePasses:
         self.sha256 = entry.sha256
         self.decoder = NativeDecoder(manifest.onnx_path(bundle, "target"), self.cfg, capacity, threads, batch=slots)
         if list(taps) != self.decoder.taps:
-            if not calls.set_taps(self.decoder.lib, self.decoder._h, list(taps)):
-                raise SpecrtError(f"native backend: taps {list(taps)}: {library.last_error()}")
-            self.decoder.taps = list(taps)
-        self.taps = tuple(taps)
+            self.decoder.tap(list(taps))
 
     def _run(self, ids: np.ndarray, pos: np.ndarray, past: np.ndarray, mask: np.ndarray, index: np.ndarray):
         out = self.decoder.run_all(ids, pos, past, mask, index)
         b, t = ids.shape
         hidden = out["hidden_states"].reshape(b * t, -1).astype(np.float16)
-        aux = out["aux_hidden_states"].reshape(b * t, -1).astype(np.float16) if self.taps else np.zeros((b * t, 0),
-                                                                                                        np.float16)
+        aux = out.get("aux_hidden_states")
+        aux = np.zeros((b * t, 0), np.float16) if aux is None else aux.reshape(b * t, -1).astype(np.float16)
         return torch.from_numpy(out["logits"].reshape(b * index.shape[1], -1).copy()), hidden, aux
 
     def prefill(self, b: int, prompt: list[int]):
