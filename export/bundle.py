@@ -47,7 +47,7 @@ class ExportOptions:
     drafters: tuple = ()  # learned drafters: (kind, checkpoint folder or None for the trained default)
     quantize: str | None = None  # "int4" / "int8": weight-only MatMulNBits for every graph (export/quantize.py)
     threads: int = 2  # ONNX Runtime threads the batch-invariance measurement runs with (the runtime default)
-    # int4 from a GGUF: carry its Q4_0 / Q4_1 / Q8_0 blocks as they are (export/gguf_blocks.py); True quantizes
+    # int4 from a GGUF: carry its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as they are (export/gguf_blocks.py); True quantizes
     # the dequantized weights again (round to nearest, symmetric int4 blocks of 32: lossier)
     requantize: bool = False
 
@@ -171,13 +171,13 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
     s = quantize.scheme(name)
     record = {**quantize.describe(name), "matmuls": {}}
     blocks = blocks or {}
-    if blocks:
-        record["from_model_file"] = {role: {"weights": len(b), "formats": sorted({x.format for x in b.values()})}
-                                     for role, b in blocks.items()}
     for role, entry in graphs.items():
         path = folder / entry.file
-        record["matmuls"][role] = quantize.quantize_file(path, s, blocks.get(role))
+        record["matmuls"][role], carried = quantize.quantize_file(path, s, blocks.get(role))
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
+        if carried:  # what the graph really carries (a truncated draft: only its layers')
+            record.setdefault("from_model_file", {})[role] = {
+                "weights": len(carried), "formats": sorted({blocks[role][w].format for w in carried})}
     return record
 
 

@@ -1,20 +1,31 @@
 """A GGUF file's quantized weights as the blocks they are, for kernels that compute them without rounding
 them again (engines/native/csrc/w4a8.h formats; ONNX Runtime's MatMulNBits).
 
-    GGUF type   block (32 inputs of one output row)          format   the value of input i
-    Q4_0        d fp16, 16 bytes of nibbles                  q4       d·(q_i - 8)
-    Q4_1        d fp16, m fp16, 16 bytes of nibbles          q4_min   d·q_i + m
-    Q8_0        d fp16, 32 int8                              q8       d·q_i
+    GGUF type   its block                                     format   the value of input i
+    Q4_0        32 inputs: d fp16, 16 bytes of nibbles        q4       d·(q_i - 8)
+    Q4_1        32: d, m fp16, 16 bytes of nibbles            q4_min   d·q_i + m
+    Q8_0        32: d fp16, 32 int8                           q8       d·q_i
+    Q4_K        256: d, dmin fp16, 8 6-bit scales and mins,   q4_min   per 32: (d·sc_j)·q_i - dmin·m_j
+                128 bytes of nibbles
+    Q6_K        256: 6-bit codes (4 + 2 bits), 16 int8        q8x16    per 16: (d·sc_j)·(q_i - 32)
+                scales, d fp16
 
-ggml keeps inputs 0..15 of a block in the low nibbles of its 16 bytes and 16..31 in the high ones;
-MatMulNBits (and `Blocks.q`) keeps input 2j in the low nibble of byte j and 2j+1 in the high one, so the
-nibbles are reordered, never recomputed. llama.cpp's converter permutes the rows of q_proj and k_proj
-(its rotary layout); transformers undoes that when it loads a GGUF, and `read_blocks` reorders the same
-rows, so a block here is the block of the weight row transformers gives. Other types are refused by name.
+A K-quant's products d·sc_j and dmin·m_j are exact in float32 (an fp16 times a 6- or 8-bit integer), so its
+sub-blocks are blocks of the formats above with float32 scales and minimums, and `Blocks.dense()` is bitwise
+what gguf-py (and transformers with it) dequantizes. `q8x16` is an int8 block of 32 inputs with a scale for
+each half (Q6_K's 16-input sub-blocks).
+
+ggml keeps inputs 0..15 of a Q4_0/Q4_1 block in the low nibbles of its 16 bytes and 16..31 in the high ones
+(Q4_K: sub-block 2j in the low nibbles of 32 bytes, 2j+1 in the high ones); MatMulNBits (and `Blocks.q`)
+keeps input 2j in the low nibble of byte j and 2j+1 in the high one, so the nibbles are reordered, never
+recomputed. llama.cpp's converter permutes the rows of q_proj and k_proj (its rotary layout); transformers
+undoes that when it loads a GGUF, and `read_blocks` reorders the same rows, so a block here is the block of
+the weight row transformers gives. Other types are refused by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,14 +34,13 @@ import numpy as np
 from specrt.errors import SpecrtError
 
 BLOCK = 32
-# GGUF type -> (format, bytes per block)
-TYPES = {"Q4_0": ("q4", 18), "Q4_1": ("q4_min", 20), "Q8_0": ("q8", 34)}
 
 
 @dataclass
 class Blocks:
     """Weight rows [N, K] as blocks of 32 inputs: q4 / q4_min q uint8 [N, blocks, 16] (MatMulNBits' packing),
-    q8 q int8 [N, blocks, 32]; scales (and q4_min's mins) float32 [N, blocks]."""
+    q8 / q8x16 q int8 [N, blocks, 32]; scales (and q4_min's mins) float32 [N, blocks] (q8x16: [N, blocks, 2],
+    inputs 0..15 and 16..31)."""
 
     format: str
     k: int
@@ -44,7 +54,7 @@ class Blocks:
 
     def codes(self) -> np.ndarray:
         """Each input's integer code, [N, blocks, 32] (q4: 0..15, q8: -128..127)."""
-        if self.format == "q8":
+        if self.format in ("q8", "q8x16"):
             return self.q.astype(np.int32)
         codes = np.empty((*self.q.shape[:2], BLOCK), np.int32)
         codes[..., 0::2] = self.q & 15
@@ -54,7 +64,7 @@ class Blocks:
     def dense(self) -> np.ndarray:
         """The weights [N, K] in float32, computed as gguf-py dequantizes them (and transformers with it)."""
         c = self.codes().astype(np.float32)
-        d = self.scales[..., None]
+        d = np.repeat(self.scales, BLOCK // 2, axis=-1) if self.format == "q8x16" else self.scales[..., None]
         if self.format == "q4":
             w = d * (c - np.float32(8))
         elif self.format == "q4_min":
@@ -78,19 +88,78 @@ class Blocks:
                       np.concatenate([p.scales for p in parts]), mins)
 
 
-def _parse(type_name: str, raw: np.ndarray, n: int, k: int, name: str) -> Blocks:
-    fmt, size = TYPES[type_name]
-    blocks = k // BLOCK
-    raw = np.ascontiguousarray(raw, np.uint8).reshape(n, blocks, size)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if fmt == "q8":
-        return Blocks(fmt, k, raw[..., 2:].copy().view(np.int8), d)
-    body = raw[..., 4:] if fmt == "q4_min" else raw[..., 2:]
-    codes = np.empty((n, blocks, BLOCK), np.uint8)
-    codes[..., :16], codes[..., 16:] = body & 15, body >> 4  # ggml: inputs 0..15 low, 16..31 high
-    q = np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
-    mins = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if fmt == "q4_min" else None
-    return Blocks(fmt, k, q, d, mins)
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """The fp16 number in the last axis' two bytes, as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Codes [..., 32] (0..15) in MatMulNBits' order: input 2j in the low nibble of byte j."""
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4), np.uint8)
+
+
+def _legacy(fmt: str):
+    def parse(raw: np.ndarray, n: int, k: int) -> Blocks:
+        d = _fp16(raw[..., 0:2])
+        if fmt == "q8":
+            return Blocks(fmt, k, raw[..., 2:].copy().view(np.int8), d)
+        body = raw[..., 4:] if fmt == "q4_min" else raw[..., 2:]
+        codes = np.concatenate([body & 15, body >> 4], axis=-1)  # ggml: inputs 0..15 low, 16..31 high
+        return Blocks(fmt, k, _pack_nibbles(codes), d, _fp16(raw[..., 2:4]) if fmt == "q4_min" else None)
+
+    return parse
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and minimums: 8 of each. Sub-blocks 0..3 keep theirs in the low 6
+    bits of bytes 0..3 (scales) and 4..7 (minimums); 4..7 keep their low 4 bits in the nibbles of bytes 8..11
+    and their high 2 bits in the top bits of bytes 0..3 and 4..7."""
+    s = s.astype(np.uint8)
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    d, dmin = _fp16(raw[..., 0:2])[..., None], _fp16(raw[..., 2:4])[..., None]
+    sc, mn = _k_scales(raw[..., 4:16])
+    qs = raw[..., 16:].reshape(n, -1, 4, 32)  # four 32-byte chunks: sub-block 2j low nibbles, 2j+1 high
+    codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, BLOCK)
+    return Blocks("q4_min", k, _pack_nibbles(codes), (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1))
+
+
+def _q6_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    ql = raw[..., 0:128].reshape(n, -1, 2, 64)  # per 128 inputs: 64 bytes of low 4 bits ...
+    qh = raw[..., 128:192].reshape(n, -1, 2, 32)  # ... and 32 bytes of high 2 bits, four inputs a byte
+    low = np.concatenate([ql & 15, ql >> 4], axis=-1)
+    high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1, BLOCK)
+    scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32) * _fp16(raw[..., 208:210])[..., None]
+    return Blocks("q8x16", k, q, scales.reshape(n, -1, 2))
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    format: str
+    inputs: int  # per block (a K-quant's super-block)
+    bytes: int
+    parse: Callable[[np.ndarray, int, int], Blocks]
+
+
+TYPES = {
+    "Q4_0": GGMLType("q4", 32, 18, _legacy("q4")),
+    "Q4_1": GGMLType("q4_min", 32, 20, _legacy("q4_min")),
+    "Q8_0": GGMLType("q8", 32, 34, _legacy("q8")),
+    "Q4_K": GGMLType("q4_min", 256, 144, _q4_k),
+    "Q6_K": GGMLType("q8x16", 256, 210, _q6_k),
+}
+
+
+def _parse(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
+    t = TYPES[type_name]
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(n, k // t.inputs, t.bytes)
+    return t.parse(raw, n, k)
 
 
 def rotary_rows(n_rows: int, heads: int) -> np.ndarray:
@@ -139,9 +208,10 @@ class GGUFBlocks:
             raise SpecrtError(f"{self.path}: {name} is {kind}; the blocks carried as they are are "
                               f"{', '.join(TYPES)} (other types are dequantized and quantized again)")
         k, n = (int(x) for x in t.shape[:2])
-        if k % BLOCK:
-            raise SpecrtError(f"{self.path}: {name} has rows of {k} inputs, not whole blocks of {BLOCK}")
-        blocks = _parse(kind, t.data, n, k, name)
+        if k % TYPES[kind].inputs:
+            raise SpecrtError(f"{self.path}: {name} has rows of {k} inputs, not whole {kind} blocks of "
+                              f"{TYPES[kind].inputs}")
+        blocks = _parse(kind, t.data, n, k)
         return blocks if heads is None else blocks.take_rows(rotary_rows(n, heads))
 
 
@@ -166,8 +236,8 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
         }
         for proj, tensors in parts.items():
             if all(g.has(name) for name, _, _ in tensors):
-                types = {g.type_of(name) for name, _, _ in tensors}
-                if len(types) == 1:
+                formats = {TYPES[g.type_of(name)].format for name, _, _ in tensors}
+                if len(formats) == 1:  # fused into one node: one format (Q4_1 and Q4_K's are both q4_min)
                     out[f"{p}.{proj}.weight"] = Blocks.stack([_scaled(g.read(name, heads), s)
                                                               for name, heads, s in tensors])
     head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"

@@ -95,12 +95,16 @@ def exact_zero_points(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
 
 def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) -> tuple[onnx.NodeProto, list]:
     """`MatMul(x, W)` as a MatMulNBits over `blocks` (export/gguf_blocks.py: the model file's own blocks,
-    carried as they are): q4 4-bit symmetric, q4_min 4-bit with float zero points, q8 8-bit symmetric."""
+    carried as they are): q4 4-bit symmetric, q4_min 4-bit with float zero points, q8 8-bit symmetric, q8x16
+    8-bit symmetric in blocks of 16 (a scale per half block)."""
     fmt, n, k = blocks.format, blocks.n, blocks.k
-    tag = "Q8" if fmt == "q8" else "Q4"
+    eight = fmt in ("q8", "q8x16")
+    tag = "Q8" if eight else "Q4"
     q, scales, arrays = blocks.q, blocks.scales, {}
-    if fmt == "q8":
+    if eight:
         q = blocks.q.view(np.uint8) ^ np.uint8(0x80)  # MatMulNBits' 8-bit zero point is 128
+    if fmt == "q8x16":
+        q = q.reshape(n, -1, 16)
     if fmt == "q4_min":
         flat = scales == 0  # d = 0: every weight of the block is m; codes 0, scale -m, zero point 1 say so exactly
         q, scales = np.where(flat[..., None], np.uint8(0), q), np.where(flat, -blocks.mins, scales)
@@ -110,15 +114,17 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
     inits = [numpy_helper.from_array(v, f"{weight}_{key}") for key, v in arrays.items()]
     inputs = [node.input[0], *(f"{weight}_{key}" for key in arrays)]
     new = onnx.helper.make_node("MatMulNBits", inputs, list(node.output), name=f"{node.name}_{tag}", domain="com.microsoft",
-                                K=k, N=n, bits=8 if fmt == "q8" else 4, block_size=32, accuracy_level=accuracy_level)
+                                K=k, N=n, bits=8 if eight else 4, block_size=16 if fmt == "q8x16" else 32,
+                                accuracy_level=accuracy_level)
     return new, inits
 
 
-def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> int:
+def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> list[str]:
     """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, after
-    checking that they are that weight (the graph's fp32 values, to float rounding); returns how many."""
+    checking that they are that weight (the graph's fp32 values, to float rounding); returns the weights
+    carried (a weight `blocks` names that the graph lacks is not)."""
     inits = {t.name: t for t in model.graph.initializer}
-    done = 0
+    done = []
     for i, node in enumerate(model.graph.node):
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in blocks:
             continue
@@ -133,17 +139,17 @@ def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> int:
         model.graph.node.remove(node)
         model.graph.node.insert(i, new)
         model.graph.initializer.extend(extra)
-        done += 1
+        done.append(weight)
     return done
 
 
-def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None) -> tuple[onnx.ModelProto, int]:
-    """The quantized model and the number of MatMulNBits nodes in it. `blocks`: weights to carry as the
-    model file's own blocks (carry_blocks); the others are quantized by ONNX Runtime's quantizer."""
+def quantize_model(model: onnx.ModelProto, s: Scheme,
+                   blocks: dict | None = None) -> tuple[onnx.ModelProto, int, list[str]]:
+    """The quantized model, the number of MatMulNBits nodes in it and the weights carried as the model file's
+    own blocks (`blocks`, carry_blocks); the others are quantized by ONNX Runtime's quantizer."""
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
-    if blocks:
-        carry_blocks(model, blocks, s)
+    carried = carry_blocks(model, blocks, s) if blocks else []
     config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
     log = logging.getLogger("onnxruntime.quantization")  # it logs every node it skips at INFO
     level = log.level
@@ -160,21 +166,22 @@ def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None
     kept = [t for t in out.graph.initializer if t.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
-    return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node)
+    return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node), carried
 
 
-def quantize_file(path: Path, s: Scheme, blocks: dict | None = None) -> int:
-    """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the
-    number of quantized MatMuls. Written under the final names in a scratch folder, then moved over."""
+def quantize_file(path: Path, s: Scheme, blocks: dict | None = None) -> tuple[int, list[str]]:
+    """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the number of
+    quantized MatMuls and the weights carried as the model file's blocks. Written under the final names in a
+    scratch folder, then moved over."""
     path = Path(path)
     data = path.name + ".data"
-    out, count = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks)
+    out, count, carried = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         onnx.save_model(out, str(Path(scratch) / path.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data, size_threshold=1024)
         (Path(scratch) / data).replace(path.with_name(data))
         (Path(scratch) / path.name).replace(path)
-    return count
+    return count, carried
 
 
 def describe(name: str) -> dict:

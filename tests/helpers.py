@@ -158,3 +158,61 @@ def eventually(probe, timeout: float = 30.0, every: float = 0.01):
     while not (value := probe()) and time.monotonic() < deadline:
         time.sleep(every)
     return value
+
+
+def raw_k_blocks(rng, kind: str, rows: int, k: int, scale: float = 0.01):
+    """Random GGUF `kind` super-blocks for `rows` rows of `k` inputs, as the bytes a file holds: any bytes
+    are a valid K-quant block but for its fp16 factors (d, and Q4_K's dmin), drawn in [scale/100, scale]."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    inputs, size = GGML_QUANT_SIZES[T[kind]]
+    raw = rng.integers(0, 256, (rows, k // inputs, size), dtype=np.uint8)
+    for off in {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]:
+        d = (rng.random(raw.shape[:2]) * 0.99 * scale + scale / 100).astype(np.float16)
+        raw[..., off:off + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def k_quant_gguf(path: Path, source: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama GGUF typed as llama.cpp's Q4_K_M types one: Q4_K projections, Q6_K embedding (tied
+    head) and Q6_K attn_v / ffn_down in layer 0 (Q4_K in layer 1), random blocks; the metadata and tokenizer
+    of the GGUF at `source` (hidden 256, 4 heads of 64, 2 KV heads, ffn 512: whole 256-input super-blocks)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    dims = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "rope.dimension_count": 64, "context_length": 512}
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = name.removeprefix("llama.")
+        value = dims.get(key, field.contents()) if name.startswith("llama.") else field.contents()
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    rng = np.random.default_rng(seed)
+    h, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
+
+    def quant(name: str, kind: str, rows: int, k: int):
+        raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" or name.startswith("token") else 3e-5)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
+
+    quant("token_embd.weight", "Q6_K", vocab, h)
+    for i in range(2):
+        six = "Q6_K" if i == 0 else "Q4_K"
+        for short, rows, k, kind in (("attn_q", h, h, "Q4_K"), ("attn_k", 128, h, "Q4_K"), ("attn_v", 128, h, six),
+                                     ("attn_output", h, h, "Q4_K"), ("ffn_gate", ffn, h, "Q4_K"),
+                                     ("ffn_up", ffn, h, "Q4_K"), ("ffn_down", h, ffn, six)):
+            quant(f"blk.{i}.{short}.weight", kind, rows, k)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

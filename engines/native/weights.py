@@ -22,17 +22,19 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C API's
 
 
 # weight formats of the kernels (csrc/w4a8.h Format): name -> the library's code
-FORMATS = {"q4": 0, "q4_min": 1, "q8": 2}
+FORMATS = {"q4": 0, "q4_min": 1, "q8": 2, "q8x16": 3}
 
 
 @dataclass
 class Linear:
     k: int
     n: int
-    q: np.ndarray  # q4, q4_min: uint8 [N, blocks, 16] (MatMulNBits' packing); q8: int8 [N, blocks, 32]
-    scales: np.ndarray  # float32 [N, blocks]
+    q: np.ndarray  # q4, q4_min: uint8 [N, blocks, 16] (MatMulNBits' packing); q8, q8x16: int8 [N, blocks, 32]
+    scales: np.ndarray  # float32 [N, blocks]; q8x16: [N, blocks, 2] (inputs 0..15, 16..31)
     bias: np.ndarray | None = None
-    format: str = "q4"  # q4: d·(q - 8); q4_min: d·q + m; q8: d·q (GGUF's Q4_0, Q4_1, Q8_0 blocks)
+    # q4: d·(q - 8); q4_min: d·q + m; q8: d·q; q8x16: d·q with a d per half block (GGUF's Q4_0, Q4_1 and
+    # Q4_K, Q8_0, Q6_K blocks)
+    format: str = "q4"
     mins: np.ndarray | None = None  # q4_min: float32 [N, blocks]
 
 
@@ -84,26 +86,31 @@ def decoder_unsupported(path: Path, cfg: DecoderConfig) -> str:
 
 def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
     """A MatMulNBits node as the kernels' blocks: 4-bit symmetric (q4), 4-bit with float zero points (q4_min:
-    a GGUF Q4_1's d·q + m, the minimum read back as -z·d) or 8-bit symmetric (q8), blocks of 32."""
+    a GGUF Q4_1's d·q + m, the minimum read back as -z·d) or 8-bit symmetric (q8), blocks of 32; or 8-bit
+    symmetric in blocks of 16 over whole blocks of 32 (q8x16: a GGUF Q6_K's)."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    bits, zp_name = attrs.get("bits"), node.input[3] if len(node.input) > 3 else ""
+    bits, zp_name, size = attrs.get("bits"), node.input[3] if len(node.input) > 3 else "", attrs.get("block_size")
     zp = tensor_array(path, inits[zp_name]) if zp_name else None
-    if attrs.get("block_size") != 32 or bits not in (4, 8) or (zp is not None and (bits != 4 or zp.dtype != np.float32)):
-        raise SpecrtError(f"{path}: {node.name} is {bits}-bit, block {attrs.get('block_size')}"
-                          f"{', with integer zero points' if zp is not None else ''}: the native backend runs blocks "
-                          "of 32, 4-bit (symmetric or with float zero points) or 8-bit symmetric (`specrt export "
-                          "--quantize int4`); use --backend ort")
     k, n = int(attrs["K"]), int(attrs["N"])
+    halves = size == 16 and bits == 8 and zp is None and k % 32 == 0
+    if (size != 32 and not halves) or bits not in (4, 8) or (zp is not None and (bits != 4 or zp.dtype != np.float32)):
+        raise SpecrtError(f"{path}: {node.name} is {bits}-bit, block {size}"
+                          f"{', with integer zero points' if zp is not None else ''}: the native backend runs blocks "
+                          "of 32, 4-bit (symmetric or with float zero points) or 8-bit symmetric, and 8-bit symmetric "
+                          "blocks of 16 in rows of whole 32s (`specrt export --quantize int4`); use --backend ort")
     blocks = (k + 31) // 32
     width = 16 if bits == 4 else 32
+    per = 2 if halves else 1
     q, scales = tensor_array(path, inits[node.input[1]]), tensor_array(path, inits[node.input[2]])
-    if q.size != n * blocks * width or scales.size != n * blocks or (zp is not None and zp.size != n * blocks):
+    if q.size != n * blocks * width or scales.size != n * blocks * per or (zp is not None and zp.size != n * blocks):
         raise SpecrtError(f"{path}: {node.name} holds {q.size} weight bytes and {scales.size} scales where its K {k} "
-                          f"and N {n} need {n * blocks * width} and {n * blocks}: export the bundle again")
+                          f"and N {n} need {n * blocks * width} and {n * blocks * per}: export the bundle again")
     q = np.ascontiguousarray(q, np.uint8).reshape(n, blocks, width)
-    scales = np.ascontiguousarray(scales, np.float32).reshape(n, blocks)
+    scales = np.ascontiguousarray(scales, np.float32).reshape(n, blocks, per)
     if bits == 8:
-        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales, format="q8")
+        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales if halves else scales[..., 0],
+                      format="q8x16" if halves else "q8")
+    scales = scales[..., 0]
     if zp is None:
         return Linear(k, n, q, scales)
     return Linear(k, n, q, scales, format="q4_min", mins=(-zp.reshape(n, blocks) * scales).astype(np.float32))

@@ -1,5 +1,5 @@
-"""The native block-quantized kernels alone, for every weight format (int4, int4 with minimums, int8: GGUF's
-Q4_0, Q4_1 and Q8_0 blocks): every kernel branch against the scalar reference, bitwise, at every row count
+"""The native block-quantized kernels alone, for every weight format (int4, int4 with minimums, int8, int8 with
+a scale per half block: GGUF's Q4_0, Q4_1 / Q4_K, Q8_0 and Q6_K blocks): every kernel branch against the scalar reference, bitwise, at every row count
 1..32 and in mixed batches, and against the float product within the int8 activations' rounding."""
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ class Linear:
         blocks = -(-k // 32)
         self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
         self.mins = None
-        if fmt == "q8":
+        if fmt in ("q8", "q8x16"):
             q = rng.integers(-128, 128, (n, blocks, 32)).astype(np.int8)
             if k % 32:
                 q[:, -1, k % 32:] = 0
             self.packed = np.ascontiguousarray(q)
             values = q.astype(np.float64)
+            if fmt == "q8x16":  # the upper half block's scale: its own, so a kernel that mixes the halves is off
+                upper = (rng.random((n, blocks)) * 0.05 + 0.001).astype(np.float32)
+                values[..., 16:] *= (upper / self.scales)[..., None]
+                self.scales = np.ascontiguousarray(np.stack([self.scales, upper], axis=-1))
         else:
             q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
             values = q.astype(np.float64) - 8
@@ -42,7 +46,8 @@ class Linear:
             if k % 32:
                 q[:, -1, k % 32:] = 8  # padding inputs: never read against a nonzero activation
             self.packed = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
-        self.dense = (values * self.scales[..., None]).reshape(n, -1)[:, :k]  # [N, K]
+        lower = self.scales[..., 0] if fmt == "q8x16" else self.scales
+        self.dense = (values * lower[..., None]).reshape(n, -1)[:, :k]  # [N, K]
         self.bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if bias else None
         self.k, self.n = k, n
         self.lib = library.load()
@@ -122,6 +127,11 @@ def test_the_formats_differ_and_a_bad_layout_is_refused():
     assert "0 minimums" in library.last_error()
     assert not calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q4", mins=scales))
     assert "32 minimums" in library.last_error()
+    int8 = np.zeros((16, 2, 32), np.int8)
+    assert not calls.linear_new(lib, weights.Linear(64, 16, int8, scales, format="q8x16"))  # one scale a block
+    assert "32 scales" in library.last_error()
+    q8, halves = Linear(64, 16, seed=7, fmt="q8"), Linear(64, 16, seed=7, fmt="q8x16")
+    assert not np.allclose(q8("scalar", x), halves("scalar", x))
     with pytest.raises(ValueError, match="weight format 'q5'"):
         calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q5"))
 

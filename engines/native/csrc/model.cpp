@@ -50,24 +50,25 @@ struct OwnedWeight : QWeight {
   OwnedWeight& operator=(const OwnedWeight&) = delete;
   ~OwnedWeight() { release(); }
   void release() {
-    free(packed), free(scales), free(mins), free(bias);
-    packed = nullptr, scales = nullptr, mins = nullptr, bias = nullptr;
+    free(packed), free(scales), free(mins), free(hi_scales), free(bias);
+    packed = nullptr, scales = nullptr, mins = nullptr, hi_scales = nullptr, bias = nullptr;
   }
   // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
-  // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks]. Columns past N pad
-  // the last tile with zero scales and minimums.
+  // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks] (kQ8x16: scales
+  // [N][blocks][2], the lower and upper half's). Columns past N pad the last tile with zero scales and minimums.
   void load(int fmt, int k, int n, const uint8_t* q, const float* s, const float* mn, const float* b) {
     release();
     format = fmt, K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
-    const int tb = tile_bytes(fmt), src_bytes = fmt == kQ8 ? kBlock : kBlock / 2;
+    const int tb = tile_bytes(fmt), src_bytes = is_int8(fmt) ? kBlock : kBlock / 2;
     const size_t nbytes = static_cast<size_t>(tiles) * blocks * tb, nscales = static_cast<size_t>(tiles) * blocks * kTileN;
     packed = static_cast<uint8_t*>(aligned(nbytes));
     scales = static_cast<float*>(aligned(nscales * sizeof(float)));
-    std::memset(packed, fmt == kQ8 ? 0x80 : 0x88, nbytes);
+    std::memset(packed, is_int8(fmt) ? 0x80 : 0x88, nbytes);
     std::memset(scales, 0, nscales * sizeof(float));
-    if (fmt == kQ4Min) {
-      mins = static_cast<float*>(aligned(nscales * sizeof(float)));
-      std::memset(mins, 0, nscales * sizeof(float));
+    float** second = fmt == kQ4Min ? &mins : fmt == kQ8x16 ? &hi_scales : nullptr;
+    if (second) {
+      *second = static_cast<float*>(aligned(nscales * sizeof(float)));
+      std::memset(*second, 0, nscales * sizeof(float));
     }
     for (int col = 0; col < n; ++col) {
       int t = col / kTileN, c = col % kTileN;
@@ -76,7 +77,7 @@ struct OwnedWeight : QWeight {
         uint8_t* dst = packed + (static_cast<size_t>(t) * blocks + blk) * tb;
         for (int kk = 0; kk < kBlock; ++kk) {
           int g = kk / 4, j = kk % 4;
-          if (fmt == kQ8) {
+          if (is_int8(fmt)) {
             dst[g * 64 + c * 4 + j] = static_cast<uint8_t>(src[kk] ^ 0x80);  // q + 128
             continue;
           }
@@ -85,7 +86,11 @@ struct OwnedWeight : QWeight {
           byte = (g % 2) ? static_cast<uint8_t>((byte & 0x0F) | (v << 4)) : static_cast<uint8_t>((byte & 0xF0) | v);
         }
         const size_t from = static_cast<size_t>(col) * blocks + blk, to = (static_cast<size_t>(t) * blocks + blk) * kTileN + c;
-        scales[to] = s[from];
+        if (fmt == kQ8x16) {
+          scales[to] = s[2 * from], hi_scales[to] = s[2 * from + 1];
+        } else {
+          scales[to] = s[from];
+        }
         if (mins) mins[to] = mn[from];
       }
     }
@@ -102,15 +107,17 @@ struct ActBuffer : QAct {
     free(q);
     free(scale);
     free(corr);
+    free(lo_sum);
   }
   void reserve(int m, int k) {
     M = m, blocks = (k + kBlock - 1) / kBlock;
     size_t need = static_cast<size_t>(m) * blocks;
     if (need <= cap) return;
-    free(q), free(scale), free(corr);
+    free(q), free(scale), free(corr), free(lo_sum);
     q = static_cast<int8_t*>(aligned(need * kBlock));
     scale = static_cast<float*>(aligned(need * sizeof(float)));
     corr = static_cast<int32_t*>(aligned(need * sizeof(int32_t)));
+    lo_sum = static_cast<int32_t*>(aligned(need * sizeof(int32_t)));
     cap = need;
   }
 };
@@ -530,20 +537,21 @@ int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
 }
 
 // A [K, N] projection of format `format` (w4a8.h Format): q_bytes = N * blocks * 16 (int4: MatMulNBits' layout)
-// or N * blocks * 32 (int8), n_scales = N * blocks, n_mins = N * blocks for kQ4Min and 0 otherwise, n_bias N or
-// 0; checked against the shapes the model's dimensions give before it is read.
+// or N * blocks * 32 (int8), n_scales = N * blocks (kQ8x16: 2 * N * blocks), n_mins = N * blocks for kQ4Min and
+// 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
 static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
                       int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
   if (!check(format >= 0 && format < kFormatCount, "weight format " + std::to_string(format) + " is not one of 0 (int4), "
-                                                   "1 (int4 with minimums), 2 (int8)"))
+                                                   "1 (int4 with minimums), 2 (int8), 3 (int8 in half blocks)"))
     return false;
   const int64_t blocks = (static_cast<int64_t>(K) + kBlock - 1) / kBlock;
-  const int64_t per_block = format == kQ8 ? kBlock : kBlock / 2;
+  const int64_t per_block = is_int8(format) ? kBlock : kBlock / 2;
+  const int64_t scales_per_block = format == kQ8x16 ? 2 : 1;
   const int64_t want_mins = format == kQ4Min ? static_cast<int64_t>(N) * blocks : 0;
   return check(positive(K) && positive(N), dims("projection", K, N) + " is empty") &&
          check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * per_block,
                "packed weights of " + std::to_string(q_bytes) + " bytes for " + dims("a projection", K, N)) &&
-         check(scales != nullptr && n_scales == static_cast<int64_t>(N) * blocks,
+         check(scales != nullptr && n_scales == static_cast<int64_t>(N) * blocks * scales_per_block,
                std::to_string(n_scales) + " scales for " + dims("a projection", K, N)) &&
          check(n_mins == want_mins && (want_mins == 0 || mins != nullptr),
                std::to_string(n_mins) + " minimums for " + dims("a projection", K, N) + " of format " +

@@ -1,4 +1,4 @@
-// The block-quantized kernels (int4, int4 with minimums, int8 weights; int8 activations): a scalar reference
+// The block-quantized kernels (int4, int4 with minimums, int8 weights, int8 in half blocks; int8 activations): a scalar reference
 // (any CPU) and x86 kernels picked at run time, each computing exactly the reference's integers and float
 // sequence (see w4a8.h).
 #include "w4a8.h"
@@ -18,19 +18,26 @@ namespace {
 inline int weight_at(const QWeight& w, int t, int b, int col, int k) {  // k: 0..31 within the block
   int g = k / 4, j = k % 4;
   const uint8_t* blk = w.packed + (static_cast<size_t>(t) * w.blocks + b) * tile_bytes(w.format);
-  if (w.format == kQ8) return static_cast<int>(blk[g * 64 + col * 4 + j]) - 128;
+  if (is_int8(w.format)) return static_cast<int>(blk[g * 64 + col * 4 + j]) - 128;
   uint8_t byte = blk[(g / 2) * 64 + col * 4 + j];
   return (g % 2) ? (byte >> 4) : (byte & 15);
 }
 
 // One block's step of the float sequence of format `format` (w4a8.h); the vector kernels run the same steps.
-inline float block_step(int format, int32_t isum, int32_t corr, float ws, float wm, float as, float acc) {
+// isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; wm: the minimum (kQ4Min) or the
+// upper half's scale (kQ8x16).
+inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, float ws, float wm, float as,
+                        float acc) {
+  const int32_t isum = isum_lo + isum_hi;
   switch (format) {
     case kQ4Min:
       acc = std::fma(static_cast<float>(isum), ws * as, acc);
       return std::fma(static_cast<float>(corr / 8), wm * as, acc);
     case kQ8:
       return std::fma(static_cast<float>(isum), ws * as, acc);
+    case kQ8x16:
+      acc = std::fma(static_cast<float>(isum_lo), ws * as, acc);
+      return std::fma(static_cast<float>(isum_hi), wm * as, acc);
     default:
       return std::fma(static_cast<float>(isum - corr), ws * as, acc);
   }
@@ -45,11 +52,12 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
         if (n >= w.N) break;
         float acc = 0.0f;
         for (int b = 0; b < w.blocks; ++b) {
-          int32_t isum = 0;
-          for (int k = 0; k < kBlock; ++k) isum += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
+          int32_t isum[2] = {0, 0};
+          for (int k = 0; k < kBlock; ++k) isum[k / 16] += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
           size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col;
-          acc = block_step(w.format, isum, a.corr[r * a.blocks + b], w.scales[at], w.mins ? w.mins[at] : 0.0f,
-                           a.scale[r * a.blocks + b], acc);
+          const float* second = w.format == kQ8x16 ? w.hi_scales : w.mins;
+          acc = block_step(w.format, isum[0], isum[1], a.corr[r * a.blocks + b], w.scales[at],
+                           second ? second[at] : 0.0f, a.scale[r * a.blocks + b], acc);
         }
         y[static_cast<size_t>(r) * ldy + n] = w.bias ? acc + w.bias[n] : acc;
       }
@@ -78,12 +86,15 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
+  // the minimums (kQ4Min) or the upper half blocks' scales (kQ8x16)
+  const float* wm = F == kQ4Min   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
+                    : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
+                                  : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
       _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
     __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups (int8: signed)
-    if (F == kQ8) {
+    if (is_int8(F)) {
       for (int g = 0; g < 8; ++g) {
         wl[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
         wh[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)),
@@ -105,17 +116,20 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       const int row = r0 + r;
       const int8_t* qa = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
       const int32_t corr = a.corr[row * a.blocks + b];
-      __m256i sl, sh;
-      if (F == kQ8) {
+      __m256i sl, sh, sl2 = _mm256_setzero_si256(), sh2 = _mm256_setzero_si256();  // sl2, sh2: kQ8x16's upper half
+      if (is_int8(F)) {
         sl = sh = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
           int32_t four;
           std::memcpy(&four, qa + 4 * g, 4);
           __m256i av = _mm256_set1_epi32(four);
-          sl = _mm256_add_epi32(sl, _mm256_madd_epi16(
-                                        _mm256_maddubs_epi16(_mm256_abs_epi8(wl[g]), _mm256_sign_epi8(av, wl[g])), ones));
-          sh = _mm256_add_epi32(sh, _mm256_madd_epi16(
-                                        _mm256_maddubs_epi16(_mm256_abs_epi8(wh[g]), _mm256_sign_epi8(av, wh[g])), ones));
+          __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wl[g]), _mm256_sign_epi8(av, wl[g])), ones);
+          __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wh[g]), _mm256_sign_epi8(av, wh[g])), ones);
+          if (F == kQ8x16 && g >= 4) {
+            sl2 = _mm256_add_epi32(sl2, pl), sh2 = _mm256_add_epi32(sh2, ph);
+          } else {
+            sl = _mm256_add_epi32(sl, pl), sh = _mm256_add_epi32(sh, ph);
+          }
         }
       } else {
         __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
@@ -135,10 +149,11 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
       lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
       hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
-      if (F == kQ4Min) {
-        __m256 asum = _mm256_set1_ps(static_cast<float>(corr / 8));
-        lo[r] = _mm256_fmadd_ps(asum, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
-        hi[r] = _mm256_fmadd_ps(asum, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
+      if (F == kQ4Min || F == kQ8x16) {
+        __m256 xl = F == kQ4Min ? _mm256_set1_ps(static_cast<float>(corr / 8)) : _mm256_cvtepi32_ps(sl2);
+        __m256 xh = F == kQ4Min ? xl : _mm256_cvtepi32_ps(sh2);
+        lo[r] = _mm256_fmadd_ps(xl, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
+        hi[r] = _mm256_fmadd_ps(xh, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
       }
     }
   }
@@ -162,14 +177,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
+  const float* wm = F == kQ4Min   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
+                    : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
+                                  : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
     // this block's rows compute, so the products of several rows overlap the memory traffic
     for (int c = 0; c < TB / 64; ++c)
       _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
     __m512i wv[8];
-    if (F == kQ8) {
+    if (is_int8(F)) {
       for (int g = 0; g < 8; ++g) wv[g] = _mm512_load_si512(wp + b * TB + g * 64);
     } else {
       for (int c = 0; c < 4; ++c) {
@@ -187,6 +204,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
       // the sum starts at minus the weights' offset times sum(q_a) (int4: 8, int8: 128; none for kQ4Min); with
       // one row, two chains (even / odd groups) hide the latency. Integer sums either way: neither choice can
       // change the result.
+      __m512 as = _mm512_set1_ps(a.scale[row * a.blocks + b]);
+      if (F == kQ8x16) {  // two half blocks, each its own sum from minus 128 times its activations' sum
+        const int32_t lo_sum = a.lo_sum[row * a.blocks + b];
+        __m512i s0 = _mm512_set1_epi32(-128 * lo_sum), s1 = _mm512_set1_epi32(-128 * (corr / 8 - lo_sum));
+        for (int g = 0; g < 4; ++g) {
+          s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(qa[g]));
+          s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], _mm512_set1_epi32(qa[g + 4]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(wsv, as), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_loadu_ps(wm + b * kTileN), as), acc[r]);
+        continue;
+      }
       __m512i s = _mm512_set1_epi32(F == kQ4 ? -corr : F == kQ8 ? -16 * corr : 0);
       if (R == 1) {
         __m512i s1 = _mm512_setzero_si512();
@@ -200,7 +229,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(wv[g]), "m"(qa[g]));
       }
-      __m512 as = _mm512_set1_ps(a.scale[row * a.blocks + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, as), acc[r]);
       if (F == kQ4Min)
         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(corr / 8)),
@@ -218,9 +246,9 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 
 #define SPN_TILES(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, fn<5, F>, fn<6, F>, fn<7, F>, fn<8, F>}
 const TileFn kAvx2Tiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
-                                                       SPN_TILES(tile_avx2, kQ8)};
+                                                       SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16)};
 const TileFn kVnniTiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_vnni, kQ4), SPN_TILES(tile_vnni, kQ4Min),
-                                                       SPN_TILES(tile_vnni, kQ8)};
+                                                       SPN_TILES(tile_vnni, kQ8), SPN_TILES(tile_vnni, kQ8x16)};
 #undef SPN_TILES
 
 void gemm_tiles(const TileFn* fns, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
