@@ -5,6 +5,7 @@ them again (engines/native/csrc/w4a8.h formats; ONNX Runtime's MatMulNBits).
     Q4_0        32 inputs: d fp16, 16 bytes of nibbles        q4       d·(q_i - 8)
     Q4_1        32: d, m fp16, 16 bytes of nibbles            q4_min   d·q_i + m
     Q8_0        32: d fp16, 32 int8                           q8       d·q_i
+    Q5_0        32: d fp16, 32 high bits, 16 bytes of nibbles q8       d·(q_i - 16), q_i - 16 as int8
     Q4_K        256: d, dmin fp16, 8 6-bit scales and mins,   q4_min   per 32: (d·sc_j)·q_i - dmin·m_j
                 128 bytes of nibbles
     Q6_K        256: 6-bit codes (4 + 2 bits), 16 int8        q8x16    per 16: (d·sc_j)·(q_i - 32)
@@ -121,6 +122,14 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def _q5_0(raw: np.ndarray, n: int, k: int) -> Blocks:
+    d = _fp16(raw[..., 0:2])
+    high = (raw[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # bit i: input i's fifth
+    low = np.concatenate([raw[..., 6:] & 15, raw[..., 6:] >> 4], axis=-1)  # inputs 0..15 low, 16..31 high
+    q = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
+    return Blocks("q8", k, q, d)
+
+
 def _q4_k(raw: np.ndarray, n: int, k: int) -> Blocks:
     d, dmin = _fp16(raw[..., 0:2])[..., None], _fp16(raw[..., 2:4])[..., None]
     sc, mn = _k_scales(raw[..., 4:16])
@@ -151,6 +160,7 @@ TYPES = {
     "Q4_0": GGMLType("q4", 32, 18, _legacy("q4")),
     "Q4_1": GGMLType("q4_min", 32, 20, _legacy("q4_min")),
     "Q8_0": GGMLType("q8", 32, 34, _legacy("q8")),
+    "Q5_0": GGMLType("q8", 32, 22, _q5_0),
     "Q4_K": GGMLType("q4_min", 256, 144, _q4_k),
     "Q6_K": GGMLType("q8x16", 256, 210, _q6_k),
 }

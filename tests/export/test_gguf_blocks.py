@@ -57,7 +57,7 @@ def test_each_type_parses_as_gguf_py_dequantizes_it_and_others_are_refused(tmp_p
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     dense = {}
-    for kind in (*TYPES, "Q5_0"):
+    for kind in (*TYPES, "Q5_1"):
         if kind.endswith("_K"):
             raw = _raw_k_blocks(rng, kind, 6, 512)
         else:
@@ -76,9 +76,9 @@ def test_each_type_parses_as_gguf_py_dequantizes_it_and_others_are_refused(tmp_p
         assert b.format == t.format and np.array_equal(b.dense(), dense[kind]), kind
     assert g.read("t.Q4_1").scales[1, 0] == 0
     assert g.read("t.Q6_K").scales.shape == (6, 16, 2) and g.read("t.Q4_K").mins.shape == (6, 16)
-    with pytest.raises(SpecrtError, match="t.Q5_0 is Q5_0; the blocks carried as they are are Q4_0, Q4_1, Q8_0, "
-                                          "Q4_K, Q6_K"):
-        g.read("t.Q5_0")
+    with pytest.raises(SpecrtError, match="t.Q5_1 is Q5_1; the blocks carried as they are are Q4_0, Q4_1, Q8_0, "
+                                          "Q5_0, Q4_K, Q6_K"):
+        g.read("t.Q5_1")
 
 
 def _rows(blocks: Blocks, x: np.ndarray) -> np.ndarray:
