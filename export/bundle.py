@@ -50,6 +50,7 @@ class ExportOptions:
     # int4 from a GGUF: carry its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as they are (export/gguf_blocks.py); True quantizes
     # the dequantized weights again (round to nearest, symmetric int4 blocks of 32: lossier)
     requantize: bool = False
+    int4_head: bool = False  # ... but quantize the LM head again (int4: less to stream per pass, lossier)
 
 
 def draft_layer_count(requested: int | str | None, target_layers: int) -> int:
@@ -187,9 +188,11 @@ def model_file_blocks(target: LoadedModel, opts: ExportOptions, draft_is_copy: b
     source = Path(target.source)
     if opts.quantize != "int4" or opts.requantize or source.suffix.lower() != ".gguf":
         return {}
-    from specrt.export.gguf_blocks import projection_blocks
+    from specrt.export.gguf_blocks import HEAD_WEIGHTS, projection_blocks
 
     blocks = projection_blocks(source, target.module.cfg)
+    if opts.int4_head:
+        blocks = {name: b for name, b in blocks.items() if name not in HEAD_WEIGHTS}
     if not blocks:
         return {}
     return {"target": blocks, **({"draft": blocks} if draft_is_copy else {})}

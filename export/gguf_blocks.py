@@ -35,6 +35,8 @@ import numpy as np
 from specrt.errors import SpecrtError
 
 BLOCK = 32
+# the graph's LM head weight (export/quantize.py untie_head): tied to the embedding, or its own
+HEAD_WEIGHTS = ("model.embed_tokens.weight.T", "lm_head.weight.T")
 
 
 @dataclass
@@ -252,7 +254,7 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
                                                               for name, heads, s in tensors])
     head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
     if g.has(head):
-        out["model.embed_tokens.weight.T" if head == "token_embd.weight" else "lm_head.weight.T"] = g.read(head)
+        out[HEAD_WEIGHTS[0] if head == "token_embd.weight" else HEAD_WEIGHTS[1]] = g.read(head)
     return out
 
 

@@ -47,9 +47,13 @@ def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
                    "compute). The quantized target is the target: speculative output equals its own plain output.")
 @click.option("--requantize", is_flag=True,
               help="With --quantize int4 on a GGUF: quantize its dequantized weights again (symmetric int4) instead "
-                   "of carrying its Q4_0 / Q4_1 / Q8_0 blocks as they are (the default: the model file's own weights).")
+                   "of carrying its Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K blocks as they are (the default: the model "
+                   "file's own weights).")
+@click.option("--int4-head", is_flag=True,
+              help="With --quantize int4 on a GGUF: quantize the LM head to int4 while carrying the other blocks. A "
+                   "one-row pass streams about 14 MB less (a Q8_0 head), at a quality cost docs/quality.md measures.")
 @click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
-def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, requantize,
+def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, requantize, int4_head,
             no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.bundle import ExportOptions, export_bundle
@@ -61,10 +65,13 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
     if requantize and (quantize != "int4" or Path(model).suffix.lower() != ".gguf"):
         raise click.UsageError("--requantize chooses how --quantize int4 treats a GGUF's blocks: it needs both")
+    if int4_head and (quantize != "int4" or Path(model).suffix.lower() != ".gguf" or requantize):
+        raise click.UsageError("--int4-head quantizes the head of a GGUF whose other blocks --quantize int4 carries: it "
+                               "needs both, and not --requantize (which quantizes every weight)")
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())
     opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,
-                         quantize=quantize, requantize=requantize)
+                         quantize=quantize, requantize=requantize, int4_head=int4_head)
     manifest = export_bundle(model, out, opts)
     checks = manifest.artifacts.get("parity_max_abs_logits", {})
     for role, g in manifest.graphs.items():

@@ -205,3 +205,22 @@ def test_a_k_quant_bundle_computes_its_source_model(k_quant, backend):
     r = quality_check(k_quant[2], prompts=3, tokens=16, backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
     assert r["ratio"] <= 1.05 and r["top1_agreement"] >= 0.9, r
+
+
+def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+    from specrt.engines.native.weights import read
+
+    path, loaded, _ = k_quant
+    out = tmp_path / "int4-head"
+    r = CliRunner().invoke(cli, ["export", "--model", str(path), "-o", str(out), "--quantize", "int4", "--int4-head",
+                                 "--draft-layers", "0", "--no-parity-check"])
+    assert r.exit_code == 0, r.output
+    m = Manifest.load(out)
+    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 7, "formats": ["q4_min", "q8x16"]}}
+    w = read(m.onnx_path(out, "target"), m.graphs["target"].config)
+    assert w.head.format == "q4" and w.layers[0]["down_proj"].format == "q8x16"
+    r = CliRunner().invoke(cli, ["export", "--model", str(path), "-o", str(tmp_path / "no"), "--int4-head"])
+    assert r.exit_code == 2 and "--int4-head quantizes the head of a GGUF" in r.output
