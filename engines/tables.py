@@ -1,5 +1,7 @@
 """A graph's initializer read where it lies: the external-data file mapped read-only (no copy), so every
-drafter layer of a process gathers its embedding rows from the one table the target graph stores.
+drafter layer of a process gathers its embedding rows from the one table the target graph stores. That
+table is float32, or int8 blocks (a GGUF's Q8_0 / Q5_0 / Q6_K codes, carried by export/quantize.py as a
+GatherBlockQuantized): `EmbeddingTable` gives the same float rows from either.
 
 Checked before it is mapped: the data file is named inside the graph's own folder (no absolute path, no ".."),
 and holds the bytes the tensor's shape and type need; anything else names the file and says to export the
@@ -9,6 +11,7 @@ bundle again. Links are followed: a linked or hard-linked copy of a bundle reads
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,8 @@ from onnx import numpy_helper
 from specrt.errors import SpecrtError
 
 TARGET_EMBEDDING = "model.embed_tokens.weight"  # export/decoder_graph.py's name for the target's table
+# the table carried as int8 blocks (export/quantize.py carry_table): its codes and scales
+TABLE_CODES, TABLE_SCALES = f"{TARGET_EMBEDDING}_Q8", f"{TARGET_EMBEDDING}_scales"
 
 
 def _external(path: Path, tensor: onnx.TensorProto) -> np.ndarray:
@@ -57,3 +62,59 @@ def initializer(path: Path, name: str) -> np.ndarray:
             arr.flags.writeable = False  # a memmap is read-only already; an inline array is made so
             return arr
     raise SpecrtError(f"{path} has no initializer {name!r}: export the bundle again")
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """An embedding table [V, H]: float32 rows (`dense`), or int8 blocks (`codes` q + 128 [V, H] uint8, a float32
+    scale per `block` inputs [V, H / block]) whose rows are dequantized on lookup, exactly: (q - 128)·d is the
+    float a dense table of the same blocks holds. Either may be a read-only map of the graph's data file."""
+
+    dense: np.ndarray | None = None
+    codes: np.ndarray | None = None
+    scales: np.ndarray | None = None
+    block: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple((self.dense if self.dense is not None else self.codes).shape)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        """Rows `ids` (an index array of any shape) as float32 [..., H]."""
+        if self.dense is not None:
+            return np.asarray(self.dense[ids], np.float32)
+        ids = np.asarray(ids)
+        q = self.codes[ids].astype(np.float32) - np.float32(128)
+        d = self.scales[ids]
+        return (q.reshape(*d.shape, self.block) * d[..., None]).reshape(*ids.shape, -1)
+
+
+@functools.cache
+def embedding_table(path: Path) -> EmbeddingTable:
+    """The target table of the ONNX graph at `path`: its float initializer, or the blocks a GatherBlockQuantized
+    reads (codes and scales mapped, not copied)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    if TARGET_EMBEDDING in inits:
+        return EmbeddingTable(dense=_read_only(tensor_array(path, inits[TARGET_EMBEDDING])))
+    node = next((n for n in model.graph.node if n.op_type == "GatherBlockQuantized" and n.input[0] == TABLE_CODES), None)
+    if node is None or TABLE_SCALES not in inits or TABLE_CODES not in inits:
+        raise SpecrtError(f"{path} has no embedding table {TARGET_EMBEDDING!r}: export the bundle again")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    codes, scales = tensor_array(path, inits[TABLE_CODES]), tensor_array(path, inits[TABLE_SCALES])
+    block = int(attrs.get("block_size", 0))
+    if (attrs.get("bits") != 8 or codes.ndim != 2 or block not in (16, 32) or codes.shape[1] % block
+            or scales.shape != (codes.shape[0], codes.shape[1] // block) or codes.dtype != np.uint8
+            or scales.dtype != np.float32):
+        raise SpecrtError(f"{path}: the embedding blocks are {attrs.get('bits')}-bit, {codes.dtype} {codes.shape} in "
+                          f"blocks of {block} with {scales.dtype} scales {scales.shape}; specrt reads 8-bit blocks of "
+                          "16 or 32 with a float scale each: export the bundle again")
+    return EmbeddingTable(codes=_read_only(codes), scales=_read_only(scales), block=block)
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr

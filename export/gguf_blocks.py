@@ -37,6 +37,7 @@ from specrt.errors import SpecrtError
 BLOCK = 32
 # the graph's LM head weight (export/quantize.py untie_head): tied to the embedding, or its own
 HEAD_WEIGHTS = ("model.embed_tokens.weight.T", "lm_head.weight.T")
+TABLE_WEIGHT = "model.embed_tokens.weight"  # the graph's embedding table (carried when its blocks are int8)
 
 
 @dataclass
@@ -229,7 +230,8 @@ class GGUFBlocks:
 
 def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
     """The exported decoder graph's projection weights (export/decoder_graph.py names: the layers' qkv_proj,
-    o_proj, gate_up_proj, down_proj and the LM head) as the GGUF at `path` holds them, each scaled as the graph
+    o_proj, gate_up_proj, down_proj, the LM head, and the embedding table where its blocks are int8) as the GGUF
+    at `path` holds them, each scaled as the graph
     folds it (1/√d into q). Only a llama-architecture GGUF is mapped (its q/k row order is the one undone
     here); {} otherwise, and for any projection whose tensors are not all of TYPES (quantized again)."""
     g = GGUFBlocks(path)
@@ -255,6 +257,8 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
     head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
     if g.has(head):
         out[HEAD_WEIGHTS[0] if head == "token_embd.weight" else HEAD_WEIGHTS[1]] = g.read(head)
+    if g.has("token_embd.weight") and g.type_of("token_embd.weight") in ("Q8_0", "Q5_0", "Q6_K"):  # int8 blocks
+        out[TABLE_WEIGHT] = g.read("token_embd.weight")
     return out
 
 

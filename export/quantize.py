@@ -119,23 +119,48 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
     return new, inits
 
 
+def table_node(node: onnx.NodeProto, weight: str, blocks) -> tuple[onnx.NodeProto, list]:
+    """`Gather(E, ids)` as a GatherBlockQuantized over the int8 `blocks` of E (q8: blocks of 32, q8x16: of 16):
+    codes q + 128 [V, H] and a float scale per block [V, H / block], whose rows ONNX Runtime dequantizes
+    exactly, (q - 128)·d, on lookup."""
+    per = 2 if blocks.format == "q8x16" else 1
+    codes = np.ascontiguousarray(blocks.q.view(np.uint8) ^ np.uint8(0x80)).reshape(blocks.n, -1)[:, : blocks.k]
+    scales = np.ascontiguousarray(blocks.scales, np.float32).reshape(blocks.n, -1)
+    inits = [numpy_helper.from_array(codes, f"{weight}_Q8"), numpy_helper.from_array(scales, f"{weight}_scales")]
+    new = onnx.helper.make_node("GatherBlockQuantized", [f"{weight}_Q8", node.input[1], f"{weight}_scales"],
+                                list(node.output), name=f"{node.name}_Q8", domain="com.microsoft", bits=8,
+                                block_size=32 // per, gather_axis=0, quantize_axis=1)
+    return new, inits
+
+
+TABLE_FORMATS = ("q8", "q8x16")  # the blocks an embedding table is carried in (GatherBlockQuantized is 8-bit here)
+
+
 def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> list[str]:
-    """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, after
-    checking that they are that weight (the graph's fp32 values, to float rounding); returns the weights
-    carried (a weight `blocks` names that the graph lacks is not)."""
+    """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, and each
+    Gather from such a table of int8 blocks by a GatherBlockQuantized, after checking that they are that weight
+    (the graph's fp32 values, to float rounding); returns the weights carried (a weight `blocks` names that the
+    graph lacks is not)."""
     inits = {t.name: t for t in model.graph.initializer}
     done = []
     for i, node in enumerate(model.graph.node):
-        if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in blocks:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in blocks:
+            weight = node.input[1]
+            want = numpy_helper.to_array(inits[weight]).T  # [K, N] -> the blocks' [N, K]
+            build = lambda n, w, b: blocks_node(n, w, b, s.accuracy_level)  # noqa: E731
+        elif (node.op_type == "Gather" and node.input[0] in blocks and node.input[0] in inits
+              and blocks[node.input[0]].format in TABLE_FORMATS):
+            weight = node.input[0]
+            want = numpy_helper.to_array(inits[weight])  # [V, H]
+            build = table_node
+        else:
             continue
-        weight = node.input[1]
         b = blocks[weight]
-        want = numpy_helper.to_array(inits[weight])  # [K, N]
         got = b.dense()
-        if got.shape != want.T.shape or not np.allclose(got, want.T, rtol=2**-20, atol=0):
+        if got.shape != want.shape or not np.allclose(got, want, rtol=2**-20, atol=0):
             raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
                               "(export with --requantize to quantize them again)")
-        new, extra = blocks_node(node, weight, b, s.accuracy_level)
+        new, extra = build(node, weight, b)
         model.graph.node.remove(node)
         model.graph.node.insert(i, new)
         model.graph.initializer.extend(extra)

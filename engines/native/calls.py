@@ -9,6 +9,7 @@ import ctypes
 import numpy as np
 
 from specrt.engines.native.weights import FORMATS, Linear
+from specrt.engines.tables import EmbeddingTable
 
 
 def f32(a: np.ndarray) -> np.ndarray:
@@ -19,11 +20,19 @@ def ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
-def use_embed(lib: ctypes.CDLL, h: int, table: np.ndarray) -> bool:
-    """The table is read in place: the caller keeps it alive while the model is."""
-    if table.ndim != 2 or table.dtype != np.float32 or not table.flags.c_contiguous:
+def use_embed(lib: ctypes.CDLL, h: int, table: EmbeddingTable) -> bool:
+    """The table (float rows or int8 blocks) is read in place: the caller keeps it alive while the model is."""
+    if table.dense is None:
+        codes, scales = table.codes, table.scales
+        if codes.dtype != np.uint8 or scales.dtype != np.float32 or not (codes.flags.c_contiguous and
+                                                                        scales.flags.c_contiguous):
+            return False
+        return lib.spn_use_embed_blocks(h, ptr(codes), codes.size, ptr(scales), scales.size, codes.shape[0],
+                                        codes.shape[1], table.block) == 0
+    dense = table.dense
+    if dense.ndim != 2 or dense.dtype != np.float32 or not dense.flags.c_contiguous:
         return False
-    return lib.spn_use_embed(h, ptr(table), table.shape[0], table.shape[1]) == 0
+    return lib.spn_use_embed(h, ptr(dense), dense.shape[0], dense.shape[1]) == 0
 
 
 def set_norm(lib: ctypes.CDLL, h: int, layer: int, which: int, weights: np.ndarray) -> bool:

@@ -27,7 +27,7 @@ from specrt.engines.native.weights import (
     rope_tables,
     unsupported,
 )
-from specrt.engines.tables import tensor_array
+from specrt.engines.tables import EmbeddingTable, tensor_array
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -60,7 +60,7 @@ class NativeFeatureLayer(NativeDecoder):
     draft vocabulary and the layer outputs; `fuse(aux)` is the fuse graph's fc on the same kernels."""
 
     def __init__(self, path: Path, fuse_path: Path | None, cfg: DecoderConfig, capacity: int, threads: int = 2,
-                 kernel: str = "auto", embedding: np.ndarray | None = None):
+                 kernel: str = "auto", embedding: EmbeddingTable | None = None):
         """`embedding`: the target's table [V, H] (read in place), for a layer graph that stores none (it reads
         `inputs_embeds`); a layer of an older bundle brings its own copy."""
         why = feature_layer_unsupported(path, cfg)
@@ -74,10 +74,10 @@ class NativeFeatureLayer(NativeDecoder):
         _, inits, by_weight = _graph(path)
         arr = lambda name: np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)  # noqa: E731
         if "embed_tokens.weight" in inits:
-            embedding = arr("embed_tokens.weight")
+            embedding = EmbeddingTable(dense=arr("embed_tokens.weight"))
         if embedding is None:
             raise SpecrtError(f"{path} reads inputs_embeds: the native layer needs the target's embedding table")
-        self.embed = np.ascontiguousarray(embedding, np.float32)  # read in place (spn_use_embed): keep it alive
+        self.embed = embedding  # read in place (spn_use_embed): keep it alive
         head = int4_projection(path, inits, by_weight, "lm_head.weight.T")
         self.vocab = head.n
         h = lib.spn_model_new(1, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,

@@ -47,6 +47,7 @@ SIGNATURES = {
     "spn_model_free": (None, [P]),
     "spn_set_embed": (I32, [P, P, I64, I64]),
     "spn_use_embed": (I32, [P, P, I64, I64]),
+    "spn_use_embed_blocks": (I32, [P, P, I64, P, I64, I64, I64, I32]),
     "spn_set_norm": (I32, [P, I32, I32, P, I64]),
     "spn_set_linear": (I32, [P, I32, I32, I32, I32, I32, P, I64, P, I64, P, I64, P, I64]),
     "spn_set_rope": (I32, [P, I32, I32, P, P]),

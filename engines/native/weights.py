@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from specrt.engines.tables import tensor_array
+from specrt.engines.tables import EmbeddingTable, embedding_table, tensor_array
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -40,7 +40,7 @@ class Linear:
 
 @dataclass
 class Weights:
-    embed: np.ndarray  # [V, H]
+    embed: EmbeddingTable  # [V, H]: float rows, or int8 blocks dequantized on lookup
     norms: list[tuple[np.ndarray, np.ndarray]]  # per layer: input, post-attention
     final_norm: np.ndarray
     layers: list[dict[str, Linear]]
@@ -212,7 +212,10 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     taps = [layer_of[x] for x in producer[name].input] if name in producer else []
     if any(o.name == "aux_hidden_states" for o in model.graph.output) and not taps:
         raise SpecrtError(f"{path}: aux_hidden_states is not a Concat of layer inputs: export the bundle again")
-    w = Weights(arr("model.embed_tokens.weight"), norms, arr("model.norm.weight"), layers, head, taps)
+    table = embedding_table(path)
+    if table.dense is not None:
+        table = EmbeddingTable(dense=arr("model.embed_tokens.weight"))
+    w = Weights(table, norms, arr("model.norm.weight"), layers, head, taps)
     if len(w.embed.shape) != 2:
         raise SpecrtError(f"{path}: model.embed_tokens.weight is not a table: export the bundle again")
     check_shapes(path, cfg, w)

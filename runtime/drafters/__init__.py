@@ -82,12 +82,13 @@ class DrafterContext:
     costs: Callable[[], object] = lambda: None  # the verify cost curve here (runtime/costs.py), or None
     note: Callable[[str], None] = lambda text: None  # a one-line notice for the user (TargetModel.note)
 
-    def target_embedding(self) -> np.ndarray:
-        """The target graph's embedding table [V, H], mapped read-only from its data file (engines/tables.py):
-        the rows a feature layer's `inputs_embeds` reads (a drafter's embedding is the target's)."""
-        from specrt.engines.tables import TARGET_EMBEDDING, initializer
+    def target_embedding(self):
+        """The target graph's embedding table [V, H] (engines/tables.py EmbeddingTable: float rows or int8 blocks),
+        mapped read-only from its data file: the rows a feature layer's `inputs_embeds` reads (a drafter's
+        embedding is the target's)."""
+        from specrt.engines.tables import embedding_table
 
-        return initializer(self.bundle / self.manifest.target.file, TARGET_EMBEDDING)
+        return embedding_table(self.bundle / self.manifest.target.file)
 
     def session(self, graph: str):
         """An ONNX Runtime CPU session of the bundle's drafter graph `graph`, its idle workers not

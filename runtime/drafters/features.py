@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.engines.ort_cpu.runner import OrtDecoder
+from specrt.engines.tables import EmbeddingTable
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
@@ -99,7 +100,7 @@ class FeatureLayer:
     """
 
     def __init__(self, path, cfg: DecoderConfig, capacity: int, threads: int, target_backend: str = "ort",
-                 fuse_path=None, embedding: Callable[[], np.ndarray] | None = None):
+                 fuse_path=None, embedding: Callable[[], EmbeddingTable] | None = None):
         """`fuse_path`: EAGLE-3's fuse graph, run on the same kernels as the layer (`fuse`); `embedding`: the
         target's table (DrafterContext.target_embedding), for a layer graph that reads `inputs_embeds`."""
         self.backend, self.record = layer_backend(path, cfg, target_backend)

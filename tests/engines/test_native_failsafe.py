@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from specrt.engines.native import calls, library, weights
+from specrt.engines.tables import EmbeddingTable
 from tests.helpers import export_tiny
 
 PROMPT = ("--prompt", "t1 t2 t3 t4", "--raw", "--max-new-tokens", "4", "--max-seq-len", "64", "--drafter", "plain")
@@ -101,8 +102,14 @@ class TestTheCEntryPoints:
 
     def test_tables_and_norms_of_the_wrong_size(self, model):
         lib, h = model
-        assert not calls.use_embed(lib, h, np.zeros((200, 64), np.float32))
+        assert not calls.use_embed(lib, h, EmbeddingTable(dense=np.zeros((200, 64), np.float32)))
         assert "embedding table 200 x 64 for a model of vocabulary x hidden 128 x 64" in library.last_error()
+        codes, scales = np.zeros((128, 64), np.uint8), np.ones((128, 2), np.float32)
+        assert not calls.use_embed(lib, h, EmbeddingTable(codes=codes, scales=scales, block=16))
+        assert "8192 codes and 256 scales for an embedding table 128 x 64 in blocks of 16" in library.last_error()
+        assert not calls.use_embed(lib, h, EmbeddingTable(codes=codes, scales=np.ones((128, 1), np.float32), block=64))
+        assert "embedding blocks of 64 inputs for rows of 64" in library.last_error()
+        assert calls.use_embed(lib, h, EmbeddingTable(codes=codes, scales=scales, block=32))
         assert not calls.set_norm(lib, h, 0, 0, np.ones(48, np.float32))
         assert "norm of 48 weights for hidden size 64" in library.last_error()
         assert not calls.set_norm(lib, h, 5, 0, np.ones(64, np.float32))

@@ -49,9 +49,9 @@ def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle,
     if not library.supported(kernel):
         pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
     m, layer, fuse, cfg = layers
-    from specrt.engines.tables import TARGET_EMBEDDING, initializer
+    from specrt.engines.tables import embedding_table
 
-    table = initializer(trained_int4_bundle / m.target.file, TARGET_EMBEDDING)  # the layer reads inputs_embeds
+    table = embedding_table(trained_int4_bundle / m.target.file)  # the layer reads inputs_embeds
     native = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, kernel=kernel, embedding=table)
     ort = OrtDecoder(layer, cfg, CAPACITY, 2, spin=False)
     vocab = m.target.config.vocab_size
@@ -76,10 +76,10 @@ def test_a_catch_up_fuses_the_tapped_rows_in_its_own_call(layers, trained_int4_b
     """aux_in: the layer fuses the target's tapped rows itself, bitwise what the fuse call then a pass over its
     features computes; one or the other is given, never both, and a wrong width is an error, not a read."""
     from specrt.engines.native.feature import NativeFeatureLayer
-    from specrt.engines.tables import TARGET_EMBEDDING, initializer
+    from specrt.engines.tables import embedding_table
 
     m, layer, fuse, cfg = layers
-    table = initializer(trained_int4_bundle / m.target.file, TARGET_EMBEDDING)
+    table = embedding_table(trained_int4_bundle / m.target.file)
     rng = np.random.default_rng(2)
     width = len(m.drafter("eagle3", trained_int4_bundle)["taps"]) * cfg.hidden_size
     aux = rng.standard_normal((1, 12, width)).astype(np.float32)

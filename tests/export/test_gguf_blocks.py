@@ -179,8 +179,9 @@ def test_k_quants_are_the_weights_transformers_loads_and_the_bundle_carries_them
             assert b.format == ("q8x16" if i == 0 and short in ("attn_v", "ffn_down") else "q4_min"), (i, short)
             assert np.array_equal(b.dense(), state[f"model.layers.{i}.{name}.weight"].numpy()), (i, short)
     m = Manifest.load(bundle)
-    # layer 0's q|k|v mixes Q4_K and Q6_K rows in one fused node: quantized again, the other 7 and the head carried
-    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 8, "formats": ["q4_min", "q8x16"]}}
+    # layer 0's q|k|v mixes Q4_K and Q6_K rows in one fused node: quantized again; the other 7, the head and the
+    # embedding table carried
+    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 9, "formats": ["q4_min", "q8x16"]}}
     w = read(m.onnx_path(bundle, "target"), m.graphs["target"].config)
     blocks = projection_blocks(path, cfg)
     assert "model.layers.0.qkv_proj.weight" not in blocks and w.layers[0]["qkv_proj"].format == "q4"
@@ -219,8 +220,51 @@ def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
                                  "--draft-layers", "0", "--no-parity-check"])
     assert r.exit_code == 0, r.output
     m = Manifest.load(out)
-    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 7, "formats": ["q4_min", "q8x16"]}}
+    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 8, "formats": ["q4_min", "q8x16"]}}
     w = read(m.onnx_path(out, "target"), m.graphs["target"].config)
     assert w.head.format == "q4" and w.layers[0]["down_proj"].format == "q8x16"
     r = CliRunner().invoke(cli, ["export", "--model", str(path), "-o", str(tmp_path / "no"), "--int4-head"])
     assert r.exit_code == 2 and "--int4-head quantizes the head of a GGUF" in r.output
+
+
+def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_quant, default_gguf, real_model,
+                                                                            trained_int4_bundle):
+    """The table as int8 blocks (Q6_K: blocks of 16; Q8_0: of 32) in place of 4 bytes a weight: ONNX Runtime's
+    GatherBlockQuantized and the native lookup give the file's values exactly, so a pass over the block table is
+    bitwise the pass over the float table of the same values."""
+    import onnxruntime as ort
+
+    from specrt.engines.native import calls
+    from specrt.engines.native.runner import NativeDecoder
+    from specrt.engines.tables import EmbeddingTable, embedding_table
+
+    path, loaded, bundle = k_quant
+    ids = np.array([0, 5, 49151, 7, 5])
+    for gguf, folder, block in ((path, bundle, 16), (default_gguf, trained_int4_bundle, 32)):
+        m = Manifest.load(folder)
+        target = m.onnx_path(folder, "target")
+        table = embedding_table(target)
+        want = GGUFBlocks(gguf).read("token_embd.weight").dense()
+        assert table.dense is None and table.block == block and table.codes.nbytes == want.size
+        assert np.array_equal(table[ids], want[ids]) and np.array_equal(table[ids[None]], want[ids][None])
+    # the tiny graph's own lookup, in ONNX Runtime: the embedding is the graph's first op
+    model = onnx.load(str(target := Manifest.load(bundle).onnx_path(bundle, "target")))
+    node = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    inits = [t for t in model.graph.initializer if t.name in node.input]
+    g = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info(node.input[1], onnx.TensorProto.INT64,
+                                                                                [None, None])],
+                               [onnx.helper.make_tensor_value_info(node.output[0], 1, None)], inits)
+    lookup = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                      onnx.helper.make_opsetid("com.microsoft", 1)])
+    got = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {node.input[1]: ids[None]})[0]
+    want = GGUFBlocks(path).read("token_embd.weight").dense()
+    assert np.array_equal(got[0], want[ids])
+    cfg = Manifest.load(bundle).graphs["target"].config
+    dec = NativeDecoder(target, cfg, 64)
+    args = (ids[None], np.arange(5)[None], np.array([0]), np.tril(np.ones((5, 5), bool))[None], np.arange(5)[None])
+    blocks_out = [x.copy() for x in dec.run(*args)]
+    dense = EmbeddingTable(dense=np.ascontiguousarray(want))
+    assert calls.use_embed(dec.lib, dec._h, dense)
+    for a, b in zip(blocks_out, dec.run(*args), strict=True):
+        assert np.array_equal(a, b)

@@ -135,6 +135,11 @@ struct Model {
   int threads = 1;
   std::vector<float> embed, final_norm, cos_tab, sin_tab;
   const float* embed_rows = nullptr;  // `embed`, or a table the caller owns (spn_use_embed)
+  // or a table of int8 blocks the caller owns (spn_use_embed_blocks): codes q + 128 [V][H], a scale per
+  // `embed_block` inputs [V][H / embed_block]; a row is dequantized when it is looked up
+  const uint8_t* embed_codes = nullptr;
+  const float* embed_scales = nullptr;
+  int embed_block = 0;
   std::vector<float> hidden_norm;  // a feature layer's norm of its feature input (spn_set_norm which 3)
   int rope_rows = 0;
   std::vector<Layer> layers;
@@ -155,6 +160,17 @@ struct Model {
 static inline void share(int n, int tid, int nt, int& lo, int& hi) {
   lo = static_cast<int>(static_cast<long long>(n) * tid / nt);
   hi = static_cast<int>(static_cast<long long>(n) * (tid + 1) / nt);
+}
+
+// Row `id` of the embedding table into out[H]: a float table's row, or a block table's row dequantized.
+static void embed_row(const Model& m, int id, float* out) {
+  if (m.embed_codes == nullptr) {
+    std::memcpy(out, m.embed_rows + static_cast<size_t>(id) * m.H, m.H * sizeof(float));
+    return;
+  }
+  const uint8_t* q = m.embed_codes + static_cast<size_t>(id) * m.H;
+  const float* s = m.embed_scales + static_cast<size_t>(id) * (m.H / m.embed_block);
+  for (int i = 0; i < m.H; ++i) out[i] = static_cast<float>(static_cast<int>(q[i]) - 128) * s[i / m.embed_block];
 }
 
 static void linear(Model& m, const QWeight& w, const float* x, int M, int ldx, float* y, int tid, int nt,
@@ -331,9 +347,10 @@ static void run_pass(Model& m, const PassArgs& p) {
     int lo, hi;
     share(M, tid, nt, lo, hi);
     for (int r = lo; r < hi; ++r) {
-      const float* e = m.embed_rows + static_cast<size_t>(p.ids[r]) * H;
       float* xr = m.x.data() + static_cast<size_t>(r) * H;
-      for (int i = 0; i < H; ++i) xr[i] = m.embed_scale == 1.0f ? e[i] : e[i] * m.embed_scale;
+      embed_row(m, p.ids[r], xr);
+      if (m.embed_scale != 1.0f)
+        for (int i = 0; i < H; ++i) xr[i] *= m.embed_scale;
     }
 pool.barrier();
     for (int l = 0; l < m.L; ++l) {
@@ -376,12 +393,13 @@ static void run_feature_pass(Model& m, const PassArgs& p) {
     share(M, tid, nt, lo, hi);
     if (fuse) linear(m, m.fuse, p.aux_in, M, m.fuse.K, m.fused.data(), tid, nt, ops);
     for (int r = lo; r < hi; ++r) {
-      const float* e = m.embed_rows + static_cast<size_t>(p.ids[r]) * H;
       const float* f = features + static_cast<size_t>(r) * H;
       float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
-      ops.rmsnorm_row(e, H, m.layers[0].ln1.data(), m.eps, mr);
+      float* xr = m.x.data() + static_cast<size_t>(r) * H;
+      embed_row(m, p.ids[r], xr);  // the row's x is the feature, once the embedding row is normed
+      ops.rmsnorm_row(xr, H, m.layers[0].ln1.data(), m.eps, mr);
       ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
-      std::memcpy(m.x.data() + static_cast<size_t>(r) * H, f, H * sizeof(float));
+      std::memcpy(xr, f, H * sizeof(float));
     }
 pool.barrier();
     attention_mlp(m, 0, p, m.mixed.data(), 2 * H, tid, nt, ops);
@@ -432,7 +450,7 @@ static const OwnedWeight* slot(const Model& m, int layer, int which) {
 
 // Every weight a pass reads is set, with the shapes the model's dimensions give.
 static bool complete(const Model& m) {
-  if (!check(m.embed_rows != nullptr, "no embedding table set") ||
+  if (!check(m.embed_rows != nullptr || m.embed_codes != nullptr, "no embedding table set") ||
       !check(static_cast<int>(m.final_norm.size()) == m.H, "no final norm set") ||
       !check(m.rope_rows > 0, "no rotary table set") ||
       !check(!m.feature || static_cast<int>(m.hidden_norm.size()) == m.H, "no feature norm set"))
@@ -515,7 +533,28 @@ int spn_use_embed(void* h, const float* e, int64_t rows, int64_t cols) {
   Model* m = static_cast<Model*>(h);
   if (!embed_ok(*m, e, rows, cols)) return 1;
   m->embed.clear();
-  m->embed_rows = e;
+  m->embed_rows = e, m->embed_codes = nullptr, m->embed_scales = nullptr;
+  return 0;
+}
+
+// The embedding table as int8 blocks owned by the caller (alive while the model is), no copy: codes q + 128
+// [rows][cols] (n_codes bytes), a float scale per `block` inputs [rows][cols / block] (n_scales). Row i, input
+// j is (codes - 128) * scale, exactly the value a float table of the blocks holds.
+int spn_use_embed_blocks(void* h, const uint8_t* codes, int64_t n_codes, const float* scales, int64_t n_scales,
+                         int64_t rows, int64_t cols, int block) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(codes != nullptr && scales != nullptr, "embedding blocks missing") ||
+      !check(rows == m->V && cols == m->H, dims("embedding table", rows, cols) + " for a model of " +
+                                               dims("vocabulary x hidden", m->V, m->H)) ||
+      !check((block == 16 || block == 32) && cols % block == 0,
+             "embedding blocks of " + std::to_string(block) + " inputs for rows of " + std::to_string(cols) +
+                 " (blocks of 16 or 32 that divide the row)") ||
+      !check(n_codes == rows * cols && n_scales == rows * (cols / block),
+             std::to_string(n_codes) + " codes and " + std::to_string(n_scales) + " scales for " +
+                 dims("an embedding table", rows, cols) + " in blocks of " + std::to_string(block)))
+    return 1;
+  m->embed.clear();
+  m->embed_rows = nullptr, m->embed_codes = codes, m->embed_scales = scales, m->embed_block = block;
   return 0;
 }
 
