@@ -48,7 +48,7 @@ class ExportOptions:
     quantize: str | None = None  # "int4" / "int8": weight-only MatMulNBits for every graph (export/quantize.py)
     threads: int = 2  # ONNX Runtime threads the batch-invariance measurement runs with (the runtime default)
     # int4 from a GGUF: carry its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as they are (export/gguf_blocks.py); True quantizes
-    # the dequantized weights again (round to nearest, symmetric int4 blocks of 32: lossier)
+    # the dequantized weights again (fitted int4 blocks of 32, export/int4_fit.py: lossier)
     requantize: bool = False
     int4_head: bool = False  # ... but quantize the LM head again (int4: less to stream per pass, lossier)
 

@@ -136,11 +136,26 @@ def table_node(node: onnx.NodeProto, weight: str, blocks) -> tuple[onnx.NodeProt
 TABLE_FORMATS = ("q8", "q8x16")  # the blocks an embedding table is carried in (GatherBlockQuantized is 8-bit here)
 
 
-def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> list[str]:
+def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
+    """Int4 blocks fitted to every MatMul weight initializer (2-D, whole blocks of 32 inputs) that `taken`
+    does not hold: export/int4_fit.py's scale-and-minimum blocks, by weight name."""
+    from specrt.export.int4_fit import fit_q4_min
+
+    inits = {t.name: t for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if (weight in inits and weight not in taken and weight not in out and len(inits[weight].dims) == 2
+                and inits[weight].dims[0] % 32 == 0):
+            out[weight] = fit_q4_min(numpy_helper.to_array(inits[weight]).T)
+    return out
+
+
+def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme, exact: bool = True) -> list[str]:
     """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, and each
     Gather from such a table of int8 blocks by a GatherBlockQuantized, after checking that they are that weight
-    (the graph's fp32 values, to float rounding); returns the weights carried (a weight `blocks` names that the
-    graph lacks is not)."""
+    (exact: the graph's fp32 values, to float rounding; else blocks fitted to it, of its shape); returns the
+    weights carried (a weight `blocks` names that the graph lacks is not)."""
     inits = {t.name: t for t in model.graph.initializer}
     done = []
     for i, node in enumerate(model.graph.node):
@@ -157,7 +172,7 @@ def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> list[str]:
             continue
         b = blocks[weight]
         got = b.dense()
-        if got.shape != want.shape or not np.allclose(got, want, rtol=2**-20, atol=0):
+        if got.shape != want.shape or (exact and not np.allclose(got, want, rtol=2**-20, atol=0)):
             raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
                               "(export with --requantize to quantize them again)")
         new, extra = build(node, weight, b)
@@ -171,10 +186,13 @@ def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme) -> list[str]:
 def quantize_model(model: onnx.ModelProto, s: Scheme,
                    blocks: dict | None = None) -> tuple[onnx.ModelProto, int, list[str]]:
     """The quantized model, the number of MatMulNBits nodes in it and the weights carried as the model file's
-    own blocks (`blocks`, carry_blocks); the others are quantized by ONNX Runtime's quantizer."""
+    own blocks (`blocks`, carry_blocks); int4's others as fitted blocks (export/int4_fit.py), and whatever is
+    left (int8, rows not of whole blocks) by ONNX Runtime's quantizer."""
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
     carried = carry_blocks(model, blocks, s) if blocks else []
+    if s.bits == 4:
+        carry_blocks(model, fitted_blocks(model, blocks or {}), s, exact=False)
     config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
     log = logging.getLogger("onnxruntime.quantization")  # it logs every node it skips at INFO
     level = log.level

@@ -198,7 +198,7 @@ def k_quant_gguf(path: Path, source: Path, seed: int = 0) -> Path:
     h, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
 
     def quant(name: str, kind: str, rows: int, k: int):
-        raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" or name.startswith("token") else 3e-5)
+        raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" else 1e-4 if name.startswith("token") else 3e-5)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
 
     quant("token_embd.weight", "Q6_K", vocab, h)

@@ -46,7 +46,7 @@ def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
               help="Weight-only quantization of every graph for CPU (ONNX Runtime MatMulNBits, block 32, int8 "
                    "compute). The quantized target is the target: speculative output equals its own plain output.")
 @click.option("--requantize", is_flag=True,
-              help="With --quantize int4 on a GGUF: quantize its dequantized weights again (symmetric int4) instead "
+              help="With --quantize int4 on a GGUF: quantize its dequantized weights again (fitted int4) instead "
                    "of carrying its Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K blocks as they are (the default: the model "
                    "file's own weights).")
 @click.option("--int4-head", is_flag=True,

@@ -1,6 +1,6 @@
 """`specrt validate --quality`: the default int4 target (the GGUF's own blocks) against the fp32 model of the
 file's values, teacher-forced on held-out chat, within its bounds; the verdict fails outside them (the
-re-quantized int4 path measured 1.30 and 0.65: docs/quality.md)."""
+symmetric re-quantized int4 path measured 1.30 and 0.65: docs/quality.md)."""
 
 from __future__ import annotations
 

@@ -184,7 +184,8 @@ def test_k_quants_are_the_weights_transformers_loads_and_the_bundle_carries_them
     assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 9, "formats": ["q4_min", "q8x16"]}}
     w = read(m.onnx_path(bundle, "target"), m.graphs["target"].config)
     blocks = projection_blocks(path, cfg)
-    assert "model.layers.0.qkv_proj.weight" not in blocks and w.layers[0]["qkv_proj"].format == "q4"
+    # quantized again: int4 blocks fitted to the float weights (export/int4_fit.py), a scale and minimum each
+    assert "model.layers.0.qkv_proj.weight" not in blocks and w.layers[0]["qkv_proj"].format == "q4_min"
     for i, name, fmt in ((0, "down_proj", "q8x16"), (1, "qkv_proj", "q4_min"), (1, "down_proj", "q4_min")):
         lin, b = w.layers[i][name], blocks[f"model.layers.{i}.{name}.weight"]
         kept = b.scales != 0  # but for flat sub-blocks (a Q4_K scale of 0: codes 0, scale -m, zero point 1)
@@ -198,14 +199,14 @@ def test_k_quants_are_the_weights_transformers_loads_and_the_bundle_carries_them
 
 @pytest.mark.parametrize("backend", ["native", "ort"])
 def test_a_k_quant_bundle_computes_its_source_model(k_quant, backend):
-    """Teacher-forced against the fp32 model of the file's values (a random model, so far more peaked and less
-    smooth than a trained one): the carried blocks keep it close, where quantizing them again measured a
-    perplexity ratio of 1.215 and top-1 agreement 0.870 on both backends."""
+    """Teacher-forced against the fp32 model of the file's values (a random model, whose prompts are far from
+    anything it would say): the carried blocks keep it close (measured: ratio 1.0065 native, 1.0064 ort),
+    where quantizing them all again measured a perplexity ratio of 1.021 on both backends."""
     from specrt.tools.quality import quality_check
 
     r = quality_check(k_quant[2], prompts=3, tokens=16, backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
-    assert r["ratio"] <= 1.05 and r["top1_agreement"] >= 0.9, r
+    assert r["ratio"] <= 1.015 and r["kl"] <= 0.1 and r["top1_agreement"] >= 0.85, r
 
 
 def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
@@ -222,7 +223,7 @@ def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
     m = Manifest.load(out)
     assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 8, "formats": ["q4_min", "q8x16"]}}
     w = read(m.onnx_path(out, "target"), m.graphs["target"].config)
-    assert w.head.format == "q4" and w.layers[0]["down_proj"].format == "q8x16"
+    assert w.head.format == "q4_min" and w.layers[0]["down_proj"].format == "q8x16"
     r = CliRunner().invoke(cli, ["export", "--model", str(path), "-o", str(tmp_path / "no"), "--int4-head"])
     assert r.exit_code == 2 and "--int4-head quantizes the head of a GGUF" in r.output
 
