@@ -21,8 +21,6 @@ from onnx import numpy_helper
 from specrt.errors import SpecrtError
 
 TARGET_EMBEDDING = "model.embed_tokens.weight"  # export/decoder_graph.py's name for the target's table
-# the table carried as int8 blocks (export/quantize.py carry_table): its codes and scales
-TABLE_CODES, TABLE_SCALES = f"{TARGET_EMBEDDING}_Q8", f"{TARGET_EMBEDDING}_scales"
 
 
 def _external(path: Path, tensor: onnx.TensorProto) -> np.ndarray:
@@ -100,18 +98,20 @@ def embedding_table(path: Path) -> EmbeddingTable:
     inits = {t.name: t for t in model.graph.initializer}
     if TARGET_EMBEDDING in inits:
         return EmbeddingTable(dense=_read_only(tensor_array(path, inits[TARGET_EMBEDDING])))
-    node = next((n for n in model.graph.node if n.op_type == "GatherBlockQuantized" and n.input[0] == TABLE_CODES), None)
-    if node is None or TABLE_SCALES not in inits or TABLE_CODES not in inits:
+    nodes = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    if len(nodes) != 1 or nodes[0].input[0] not in inits or nodes[0].input[2] not in inits:
         raise SpecrtError(f"{path} has no embedding table {TARGET_EMBEDDING!r}: export the bundle again")
+    node = nodes[0]  # export/quantize.py table_nodes: codes [V, blocks, block] (maybe a tied head's), scales [V, blocks, 1]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    codes, scales = tensor_array(path, inits[TABLE_CODES]), tensor_array(path, inits[TABLE_SCALES])
+    codes, scales = tensor_array(path, inits[node.input[0]]), tensor_array(path, inits[node.input[2]])
     block = int(attrs.get("block_size", 0))
-    if (attrs.get("bits") != 8 or codes.ndim != 2 or block not in (16, 32) or codes.shape[1] % block
-            or scales.shape != (codes.shape[0], codes.shape[1] // block) or codes.dtype != np.uint8
+    if (attrs.get("bits") != 8 or attrs.get("quantize_axis") != 2 or codes.ndim != 3 or block not in (16, 32)
+            or codes.shape[2] != block or scales.shape != (*codes.shape[:2], 1) or codes.dtype != np.uint8
             or scales.dtype != np.float32):
         raise SpecrtError(f"{path}: the embedding blocks are {attrs.get('bits')}-bit, {codes.dtype} {codes.shape} in "
                           f"blocks of {block} with {scales.dtype} scales {scales.shape}; specrt reads 8-bit blocks of "
                           "16 or 32 with a float scale each: export the bundle again")
+    codes, scales = codes.reshape(codes.shape[0], -1), scales.reshape(scales.shape[0], -1)  # views of the map
     return EmbeddingTable(codes=_read_only(codes), scales=_read_only(scales), block=block)
 
 

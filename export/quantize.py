@@ -119,18 +119,25 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
     return new, inits
 
 
-def table_node(node: onnx.NodeProto, weight: str, blocks) -> tuple[onnx.NodeProto, list]:
-    """`Gather(E, ids)` as a GatherBlockQuantized over the int8 `blocks` of E (q8: blocks of 32, q8x16: of 16):
-    codes q + 128 [V, H] and a float scale per block [V, H / block], whose rows ONNX Runtime dequantizes
-    exactly, (q - 128)·d, on lookup."""
-    per = 2 if blocks.format == "q8x16" else 1
-    codes = np.ascontiguousarray(blocks.q.view(np.uint8) ^ np.uint8(0x80)).reshape(blocks.n, -1)[:, : blocks.k]
-    scales = np.ascontiguousarray(blocks.scales, np.float32).reshape(blocks.n, -1)
-    inits = [numpy_helper.from_array(codes, f"{weight}_Q8"), numpy_helper.from_array(scales, f"{weight}_scales")]
-    new = onnx.helper.make_node("GatherBlockQuantized", [f"{weight}_Q8", node.input[1], f"{weight}_scales"],
-                                list(node.output), name=f"{node.name}_Q8", domain="com.microsoft", bits=8,
-                                block_size=32 // per, gather_axis=0, quantize_axis=1)
-    return new, inits
+def table_nodes(node: onnx.NodeProto, weight: str, blocks, codes: str | None = None) -> tuple[list, list]:
+    """`Gather(E, ids)` as a GatherBlockQuantized over the int8 `blocks` of E (q8: blocks of 32, q8x16: of 16),
+    then a Reshape to [..., H]: codes q + 128 [V, blocks, block] and a float scale per block [V, blocks, 1], whose
+    rows ONNX Runtime dequantizes exactly, (q - 128)·d, on lookup. `codes`: an initializer of those very codes
+    in that layout already in the graph (a tied head's MatMulNBits weight), read instead of a copy."""
+    block = 16 if blocks.format == "q8x16" else 32
+    scales = np.ascontiguousarray(blocks.scales, np.float32).reshape(blocks.n, -1, 1)
+    inits = [numpy_helper.from_array(scales, f"{weight}_scales"),
+             numpy_helper.from_array(np.array([0, 0, -1], np.int64), f"{weight}_rows")]
+    if codes is None:
+        codes = f"{weight}_Q8"
+        q = np.ascontiguousarray(blocks.q.view(np.uint8) ^ np.uint8(0x80)).reshape(blocks.n, -1, block)
+        inits.append(numpy_helper.from_array(q, codes))
+    gathered = f"{node.output[0]}_blocks"
+    return [onnx.helper.make_node("GatherBlockQuantized", [codes, node.input[1], f"{weight}_scales"], [gathered],
+                                  name=f"{node.name}_Q8", domain="com.microsoft", bits=8, block_size=block,
+                                  gather_axis=0, quantize_axis=2),
+            onnx.helper.make_node("Reshape", [gathered, f"{weight}_rows"], list(node.output),
+                                  name=f"{node.name}_rows")], inits
 
 
 TABLE_FORMATS = ("q8", "q8x16")  # the blocks an embedding table is carried in (GatherBlockQuantized is 8-bit here)
@@ -151,36 +158,59 @@ def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
     return out
 
 
+def _same_blocks(a, b) -> bool:
+    return (a.format == b.format and a.q.shape == b.q.shape and np.array_equal(a.q, b.q)
+            and np.array_equal(a.scales, b.scales))
+
+
 def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme, exact: bool = True) -> list[str]:
     """Replace each MatMul whose weight initializer `blocks` names by a MatMulNBits over those blocks, and each
-    Gather from such a table of int8 blocks by a GatherBlockQuantized, after checking that they are that weight
-    (exact: the graph's fp32 values, to float rounding; else blocks fitted to it, of its shape); returns the
-    weights carried (a weight `blocks` names that the graph lacks is not)."""
+    Gather from such a table of int8 blocks by a GatherBlockQuantized (sharing the codes of a tied head carried
+    from the same blocks), after checking that they are that weight (exact: the graph's fp32 values, to float
+    rounding; else blocks fitted to it, of its shape); returns the weights carried (a weight `blocks` names that
+    the graph lacks is not)."""
     inits = {t.name: t for t in model.graph.initializer}
-    done = []
-    for i, node in enumerate(model.graph.node):
+    done, nodes, extra = [], [], []
+    gathers = []
+    for node in model.graph.node:
         if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in blocks:
             weight = node.input[1]
             want = numpy_helper.to_array(inits[weight]).T  # [K, N] -> the blocks' [N, K]
-            build = lambda n, w, b: blocks_node(n, w, b, s.accuracy_level)  # noqa: E731
         elif (node.op_type == "Gather" and node.input[0] in blocks and node.input[0] in inits
               and blocks[node.input[0]].format in TABLE_FORMATS):
-            weight = node.input[0]
-            want = numpy_helper.to_array(inits[weight])  # [V, H]
-            build = table_node
-        else:
+            gathers.append(len(nodes))  # after the MatMuls: a tied head's codes may serve it
+            nodes.append(node)
             continue
-        b = blocks[weight]
-        got = b.dense()
-        if got.shape != want.shape or (exact and not np.allclose(got, want, rtol=2**-20, atol=0)):
-            raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
-                              "(export with --requantize to quantize them again)")
-        new, extra = build(node, weight, b)
-        model.graph.node.remove(node)
-        model.graph.node.insert(i, new)
-        model.graph.initializer.extend(extra)
+        else:
+            nodes.append(node)
+            continue
+        _check(weight, blocks[weight], want, exact)
+        new, more = blocks_node(node, weight, blocks[weight], s.accuracy_level)
+        nodes.append(new)
+        extra.extend(more)
         done.append(weight)
+    for at in reversed(gathers):
+        node = nodes[at]
+        weight = node.input[0]
+        b = blocks[weight]
+        _check(weight, b, numpy_helper.to_array(inits[weight]), exact)
+        head = f"{weight}.T"
+        shared = head in done and _same_blocks(blocks[head], b)
+        new, more = table_nodes(node, weight, b, f"{head}_Q8" if shared else None)
+        nodes[at:at + 1] = new
+        extra.extend(more)
+        done.append(weight)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(extra)
     return done
+
+
+def _check(weight: str, b, want: np.ndarray, exact: bool) -> None:
+    got = b.dense()
+    if got.shape != want.shape or (exact and not np.allclose(got, want, rtol=2**-20, atol=0)):
+        raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
+                          "(export with --requantize to quantize them again)")
 
 
 def quantize_model(model: onnx.ModelProto, s: Scheme,

@@ -230,9 +230,10 @@ def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
 
 def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_quant, default_gguf, real_model,
                                                                             trained_int4_bundle):
-    """The table as int8 blocks (Q6_K: blocks of 16; Q8_0: of 32) in place of 4 bytes a weight: ONNX Runtime's
-    GatherBlockQuantized and the native lookup give the file's values exactly, so a pass over the block table is
-    bitwise the pass over the float table of the same values."""
+    """The table as int8 blocks (Q6_K: blocks of 16; Q8_0: of 32) in place of 4 bytes a weight, the very codes
+    the tied head's MatMulNBits reads (one copy): ONNX Runtime's GatherBlockQuantized and the native lookup
+    give the file's values exactly, so a pass over the block table is bitwise the pass over the float table of
+    the same values."""
     import onnxruntime as ort
 
     from specrt.engines.native import calls
@@ -248,6 +249,10 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
         want = GGUFBlocks(gguf).read("token_embd.weight").dense()
         assert table.dense is None and table.block == block and table.codes.nbytes == want.size
         assert np.array_equal(table[ids], want[ids]) and np.array_equal(table[ids[None]], want[ids][None])
+        graph = onnx.load(str(target), load_external_data=False)
+        gather = next(n for n in graph.graph.node if n.op_type == "GatherBlockQuantized")
+        head = next(n for n in graph.graph.node if n.op_type == "MatMulNBits" and "embed_tokens" in n.input[1])
+        assert gather.input[0] == head.input[1] == "model.embed_tokens.weight.T_Q8"  # one copy of the codes
     # the tiny graph's own lookup, in ONNX Runtime: the embedding is the graph's first op
     model = onnx.load(str(target := Manifest.load(bundle).onnx_path(bundle, "target")))
     node = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
@@ -258,9 +263,9 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
     lookup = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17),
                                                       onnx.helper.make_opsetid("com.microsoft", 1)])
     got = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {node.input[1]: ids[None]})[0]
+        None, {node.input[1]: ids[None]})[0]  # [1, 5, blocks, block]: the graph's Reshape makes rows of them
     want = GGUFBlocks(path).read("token_embd.weight").dense()
-    assert np.array_equal(got[0], want[ids])
+    assert np.array_equal(got[0].reshape(len(ids), -1), want[ids])
     cfg = Manifest.load(bundle).graphs["target"].config
     dec = NativeDecoder(target, cfg, 64)
     args = (ids[None], np.arange(5)[None], np.array([0]), np.tril(np.ones((5, 5), bool))[None], np.arange(5)[None])
