@@ -1,9 +1,12 @@
 """Weight-only quantization of exported graphs for CPU: ONNX Runtime's `MatMulNBits` (4- or 8-bit).
 
-Every MatMul with a 2-D weight initializer becomes `MatMulNBits` (block-wise symmetric scales along
-the input dimension); the tied LM head's `Gemm(x, E, transB=1)` is first rewritten as
-`MatMul(x, Eᵀ)` so it is quantized too (the embedding table stays fp32: a Gather reads one row per
-token). Activations, KV cache, norms and attention stay fp32.
+Every MatMul with a 2-D weight initializer becomes `MatMulNBits` over blocks of 32 inputs; the tied LM
+head's `Gemm(x, E, transB=1)` is first rewritten as `MatMul(x, Eᵀ)` so it is quantized too. Where the
+source is a GGUF, its own blocks are carried as they are (`carry_blocks`; an int8 embedding table as a
+`GatherBlockQuantized` reading the tied head's codes); int4's other weights get scale-and-minimum blocks
+fitted to them (export/int4_fit.py); what is left (int8, rows not of whole blocks) goes through ONNX
+Runtime's symmetric quantizer. A float table stays fp32. Activations, KV cache, norms and attention stay
+fp32.
 
 `accuracy_level=4` lets ORT quantize activations to int8 per block and use its int8 dot-product
 kernels. Each row is quantized on its own, but whether a k-row call computes a row bit for bit as a
