@@ -166,6 +166,9 @@ def _versions() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+DECODER_ROLES = ("target", "draft")  # the decoder graphs among a bundle's (the others: learned drafters')
+
+
 def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, blocks: dict | None = None) -> dict:
     """Quantize every graph in place (after the fp32 parity check); returns the manifest record. `blocks`:
     per role, the model file's own blocks by weight name, carried as they are (the others are quantized)."""
@@ -174,7 +177,11 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
     blocks = blocks or {}
     for role, entry in graphs.items():
         path = folder / entry.file
-        record["matmuls"][role], carried = quantize.quantize_file(path, s, blocks.get(role))
+        # fitted int4 for the decoders (target, draft model); learned drafters' graphs keep ONNX Runtime's
+        # symmetric rounding until their acceptance is measured with the fit (a briefly trained EAGLE-3 head's
+        # drafts stopped being accepted with it)
+        fit = role in DECODER_ROLES
+        record["matmuls"][role], carried = quantize.quantize_file(path, s, blocks.get(role), fit)
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
         if carried:  # what the graph really carries (a truncated draft: only its layers')
             record.setdefault("from_model_file", {})[role] = {

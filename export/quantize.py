@@ -216,15 +216,16 @@ def _check(weight: str, b, want: np.ndarray, exact: bool) -> None:
                           "(export with --requantize to quantize them again)")
 
 
-def quantize_model(model: onnx.ModelProto, s: Scheme,
-                   blocks: dict | None = None) -> tuple[onnx.ModelProto, int, list[str]]:
+def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None,
+                   fit: bool = True) -> tuple[onnx.ModelProto, int, list[str]]:
     """The quantized model, the number of MatMulNBits nodes in it and the weights carried as the model file's
-    own blocks (`blocks`, carry_blocks); int4's others as fitted blocks (export/int4_fit.py), and whatever is
-    left (int8, rows not of whole blocks) by ONNX Runtime's quantizer."""
+    own blocks (`blocks`, carry_blocks); int4's others as fitted blocks (export/int4_fit.py) where `fit`, and
+    whatever is left (int8, rows not of whole blocks, int4 without `fit`) by ONNX Runtime's symmetric
+    quantizer."""
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
     carried = carry_blocks(model, blocks, s) if blocks else []
-    if s.bits == 4:
+    if s.bits == 4 and fit:
         carry_blocks(model, fitted_blocks(model, blocks or {}), s, exact=False)
     config = config_cls(block_size=s.block_size, is_symmetric=True, accuracy_level=s.accuracy_level, bits=s.bits)
     log = logging.getLogger("onnxruntime.quantization")  # it logs every node it skips at INFO
@@ -245,13 +246,13 @@ def quantize_model(model: onnx.ModelProto, s: Scheme,
     return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node), carried
 
 
-def quantize_file(path: Path, s: Scheme, blocks: dict | None = None) -> tuple[int, list[str]]:
+def quantize_file(path: Path, s: Scheme, blocks: dict | None = None, fit: bool = True) -> tuple[int, list[str]]:
     """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the number of
     quantized MatMuls and the weights carried as the model file's blocks. Written under the final names in a
     scratch folder, then moved over."""
     path = Path(path)
     data = path.name + ".data"
-    out, count, carried = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks)
+    out, count, carried = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks, fit)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         onnx.save_model(out, str(Path(scratch) / path.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data, size_threshold=1024)
