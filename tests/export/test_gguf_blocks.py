@@ -206,7 +206,9 @@ def test_a_k_quant_bundle_computes_its_source_model(k_quant, backend):
 
     r = quality_check(k_quant[2], prompts=3, tokens=16, backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
-    assert r["ratio"] <= 1.015 and r["kl"] <= 0.1 and r["top1_agreement"] >= 0.85, r
+    # the ratio is what tells carried from re-quantized here; KL and top-1 only bound gross errors (ONNX
+    # Runtime's int8 paths differ by CPU kind: measured KL 0.055 native, 0.078 ort; top-1 0.90, 0.89)
+    assert r["ratio"] <= 1.015 and r["kl"] <= 0.2 and r["top1_agreement"] >= 0.8, r
 
 
 def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
