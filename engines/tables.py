@@ -87,14 +87,14 @@ class EmbeddingTable:
         return (q.reshape(*d.shape, self.block) * d[..., None]).reshape(*ids.shape, -1)
 
 
-@functools.cache
-def embedding_table(path: Path) -> EmbeddingTable:
-    """The target table of the ONNX graph at `path`: its float initializer, or the blocks a GatherBlockQuantized
-    reads (codes and scales mapped, not copied)."""
+def embedding_table(path: Path, model: onnx.ModelProto | None = None) -> EmbeddingTable:
+    """The target table of the ONNX graph at `path` (`model`: that graph, loaded without its data, if the caller
+    has it): its float initializer, or the blocks a GatherBlockQuantized reads (codes and scales mapped, not
+    copied; mapped anew each call, so a bundle exported again in place is read as it is now)."""
     path = Path(path)
     if not path.is_file():
         raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
-    model = onnx.load(str(path), load_external_data=False)
+    model = model if model is not None else onnx.load(str(path), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
     if TARGET_EMBEDDING in inits:
         return EmbeddingTable(dense=_read_only(tensor_array(path, inits[TARGET_EMBEDDING])))

@@ -254,11 +254,13 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
                 if len(formats) == 1:  # fused into one node: one format (Q4_1 and Q4_K's are both q4_min)
                     out[f"{p}.{proj}.weight"] = Blocks.stack([_scaled(g.read(name, heads), s)
                                                               for name, heads, s in tensors])
-    head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-    if g.has(head):
-        out[HEAD_WEIGHTS[0] if head == "token_embd.weight" else HEAD_WEIGHTS[1]] = g.read(head)
-    if g.has("token_embd.weight") and g.type_of("token_embd.weight") in ("Q8_0", "Q5_0", "Q6_K"):  # int8 blocks
-        out[TABLE_WEIGHT] = g.read("token_embd.weight")
+    table = g.read("token_embd.weight") if g.has("token_embd.weight") else None  # export/quantize.py carries
+    if table is not None:  # it where its blocks are a format a table lookup takes (TABLE_FORMATS)
+        out[TABLE_WEIGHT] = table
+    if "output.weight" not in g.tensors and table is not None:  # tied: the head is the table's blocks
+        out[HEAD_WEIGHTS[0]] = table
+    elif g.has("output.weight"):
+        out[HEAD_WEIGHTS[1]] = g.read("output.weight")
     return out
 
 

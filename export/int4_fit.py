@@ -38,7 +38,6 @@ def fit_q4_min(w: np.ndarray) -> Blocks:
     d, m = (hi - lo) / 15, lo
     q = _codes(x, d, m)
     best = (q, d, m, _error(x, q, d, m))
-    sq, sqq = None, None
     for _ in range(ROUNDS):
         sq, sqq = q.sum(-1), np.square(q).sum(-1)
         sx, sqx = x.sum(-1), (q * x).sum(-1)

@@ -162,7 +162,7 @@ def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
 
 
 def _same_blocks(a, b) -> bool:
-    return (a.format == b.format and a.q.shape == b.q.shape and np.array_equal(a.q, b.q)
+    return a is b or (a.format == b.format and a.q.shape == b.q.shape and np.array_equal(a.q, b.q)
             and np.array_equal(a.scales, b.scales))
 
 

@@ -212,10 +212,7 @@ def read(path: Path, cfg: DecoderConfig) -> Weights:
     taps = [layer_of[x] for x in producer[name].input] if name in producer else []
     if any(o.name == "aux_hidden_states" for o in model.graph.output) and not taps:
         raise SpecrtError(f"{path}: aux_hidden_states is not a Concat of layer inputs: export the bundle again")
-    table = embedding_table(path)
-    if table.dense is not None:
-        table = EmbeddingTable(dense=arr("model.embed_tokens.weight"))
-    w = Weights(table, norms, arr("model.norm.weight"), layers, head, taps)
+    w = Weights(embedding_table(path, model), norms, arr("model.norm.weight"), layers, head, taps)
     if len(w.embed.shape) != 2:
         raise SpecrtError(f"{path}: model.embed_tokens.weight is not a table: export the bundle again")
     check_shapes(path, cfg, w)

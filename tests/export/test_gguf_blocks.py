@@ -13,6 +13,7 @@ from specrt.errors import SpecrtError
 from specrt.export import quantize
 from specrt.export.gguf_blocks import TYPES, Blocks, GGUFBlocks, projection_blocks
 from specrt.schema.manifest import Manifest
+from tests.helpers import raw_k_blocks
 
 PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -35,19 +36,6 @@ def test_every_block_tensor_is_the_weight_transformers_loads(default_gguf, real_
     assert seen == {"q4_min"}
 
 
-def _raw_k_blocks(rng, kind: str, rows: int, k: int) -> np.ndarray:
-    """Random `kind` super-blocks (any bytes are a valid block but for the fp16 factors, set to sane values)."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as T
-
-    inputs, size = GGML_QUANT_SIZES[T[kind]]
-    raw = rng.integers(0, 256, (rows, k // inputs, size), dtype=np.uint8)
-    at = {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]  # d (and dmin) fp16
-    for off in at:
-        raw[..., off:off + 2] = (rng.random(raw.shape[:2]) * 0.01 + 1e-4).astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
 def test_each_type_parses_as_gguf_py_dequantizes_it_and_others_are_refused(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -59,7 +47,7 @@ def test_each_type_parses_as_gguf_py_dequantizes_it_and_others_are_refused(tmp_p
     dense = {}
     for kind in (*TYPES, "Q5_1"):
         if kind.endswith("_K"):
-            raw = _raw_k_blocks(rng, kind, 6, 512)
+            raw = raw_k_blocks(rng, kind, 6, 512)
         else:
             x = rng.standard_normal((6, 64)).astype(np.float32)
             x[1, :32] = 0.25  # a constant block: Q4_1's d is 0 there
