@@ -3,6 +3,7 @@ backend with preallocated KV buffers, and what this machine's kernels make exact
 
     TargetModel(bundle, ...)      checks the bundle, measures exactness, opens the decoder
     .run_pass(p) / .forward(...)  one batch-1 target pass (KV slot 0)
+    .run_batch(windows, start)    one pass over consecutive KV slots (the serving scheduler's)
     .terms(acceptance, drafter)   what a sequence in it is held to (runtime/settings.py)
 """
 
@@ -126,6 +127,12 @@ class TargetModel:
         [1, R, V] for `p.rows`, hidden_states [1, T, H], aux_hidden_states when the graph has them)."""
         self.decoder.select(0, 1)
         return self.decoder.run_all(*pack_windows([p]))
+
+    def run_batch(self, windows: list[Pass | None], start: int) -> dict[str, np.ndarray]:
+        """One target pass over KV slots start..start+len(windows)-1, slot start+i running `windows[i]`
+        (None: an idle slot, a dummy row at its row 0); outputs batch-major as `run_pass` gives them."""
+        self.decoder.select(start, start + len(windows))
+        return self.decoder.run_all(*pack_windows(windows))
 
     def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> dict[str, np.ndarray]:
         """One target pass over `window` (a chain unless `tree`) written at KV rows past..; every output

@@ -18,8 +18,8 @@ from fastapi.responses import StreamingResponse
 from specrt.runtime.text import TextAssembler
 from specrt.serving import guards
 from specrt.serving.errors import ApiError
+from specrt.serving.handle import Handle
 from specrt.serving.responses import chat_logprobs, completion_logprobs, usage
-from specrt.serving.scheduler import Handle
 from specrt.serving.state import ServerState
 
 DISCONNECT_POLL_S = 0.2  # how often a unary request checks that its client is still there

@@ -11,7 +11,8 @@ from specrt.errors import SpecrtError
 from specrt.runtime.logits import check_logit_bias
 from specrt.runtime.sampling import SamplingParams
 from specrt.serving.errors import ApiError
-from specrt.serving.scheduler import Handle, Scheduler, SchedulerFull
+from specrt.serving.handle import Handle
+from specrt.serving.scheduler import Scheduler, SchedulerFull
 
 
 @dataclass

@@ -45,12 +45,19 @@ class ScriptedDrafter(Drafter):
         pass
 
 
-def paced(run_all, clock: FakeClock, seconds: float):
-    """`run_all` (a target's passes: `gen.target.run_all`) advancing `clock` by `seconds` a pass, whatever
-    its shape: install it as `gen.target.run_all = paced(gen.target.run_all, clock, seconds)`."""
+def paced(target, clock: FakeClock, seconds: float):
+    """A target's passes advancing `clock` by `seconds` a pass, whatever its shape. `target`: a Generator
+    (the result is a serving scheduler's `runner`), or a decoder's `run_all` (install it as
+    `gen.target.run_all = paced(gen.target.run_all, clock, seconds)`)."""
+    if hasattr(target, "model"):
+        def runner(bp):
+            clock.advance(seconds)
+            return target.model.run_batch(bp.windows, bp.start)
+
+        return runner
 
     def run(*args, **kwargs):
         clock.advance(seconds)
-        return run_all(*args, **kwargs)
+        return target(*args, **kwargs)
 
     return run

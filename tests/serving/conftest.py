@@ -35,11 +35,11 @@ HOLD_S = 60.0  # a pass held longer fails (its requests get a 500): a broken tes
 
 
 class Gate:
-    """The scheduler's target passes (each call of `target.run_all`) run only as the test lets them, so
-    "the request holds its slot" (or "is queued", "has not finished") is a fact when the test acts, on a
-    machine of any speed. Passes are numbered as they reach the gate (`started`).
+    """The scheduler's target passes run only as the test lets them, so "the request holds its slot" (or
+    "is queued", "has not finished") is a fact when the test acts, on a machine of any speed. Passes are
+    numbered as they reach the gate (`started`).
 
-        Gate(scheduler, closed=False)   installed over the scheduler's target
+        Gate(closed=False)              give `gate.runner(gen)` to the Scheduler as its `runner`
         close() / open()                passes reaching the gate from now on wait / every pass runs
         allow(n)                        n more passes run (the first n the gate holds, or will)
         hold(until)                     besides, every pass waits until `until()` is true (None: no such
@@ -50,22 +50,26 @@ class Gate:
     The scheduler's thread waits at the gate holding none of its locks: requests are still submitted,
     queued and refused meanwhile."""
 
-    def __init__(self, scheduler, closed: bool = False):
-        self.target = scheduler.gen.target
-        self._run_all = self.target.run_all
+    def __init__(self, closed: bool = False):
         self._lock = threading.Lock()
         self.started = 0
         self._allowed = 0 if closed else math.inf
         self._until = None
-        self.target.run_all = self._pass
 
-    def _pass(self, *args, **kwargs):
+    def runner(self, gen):
+        """The scheduler's runner (serving/scheduler.py): `gen`'s passes, each through the gate."""
+        def run(bp):
+            self._wait()
+            return gen.model.run_batch(bp.windows, bp.start)
+
+        return run
+
+    def _wait(self) -> None:
         with self._lock:
             self.started += 1
             n = self.started
         if not eventually(lambda: n <= self._allowed and (self._until is None or self._until()), HOLD_S):
             raise RuntimeError(f"target pass {n} was held at the gate for {HOLD_S:g} s: the test never let it run")
-        return self._run_all(*args, **kwargs)
 
     def close(self) -> None:
         with self._lock:
@@ -87,3 +91,4 @@ class Gate:
 
     def wait_started(self, n: int) -> bool:
         return bool(eventually(lambda: self.started >= n))
+

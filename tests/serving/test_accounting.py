@@ -39,8 +39,9 @@ def server(tiny_bundle):
     from specrt.serving.api import create_app
     from specrt.serving.scheduler import Scheduler
 
-    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=4)
-    gate, arrivals = Gate(scheduler), Arrivals(create_app(scheduler, "tiny"))
+    gen, gate = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), Gate()
+    scheduler = Scheduler(gen, max_waiting=4, runner=gate.runner(gen))
+    arrivals = Arrivals(create_app(scheduler, "tiny"))
     with running(arrivals) as url:
         yield url, scheduler, gate, arrivals
         gate.reset()

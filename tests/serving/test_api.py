@@ -193,8 +193,8 @@ def gated_server(tiny_bundle):
     from specrt.serving.api import create_app
     from specrt.serving.scheduler import Scheduler
 
-    scheduler = Scheduler(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), max_waiting=0)
-    gate = Gate(scheduler, closed=True)
+    gen, gate = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1), Gate(closed=True)
+    scheduler = Scheduler(gen, max_waiting=0, runner=gate.runner(gen))
     with running(create_app(scheduler, "tiny")) as url:
         yield url, scheduler, gate
         gate.reset()  # whatever the test left held runs, so the server shuts down
@@ -206,7 +206,8 @@ def test_full_server_answers_503_and_disconnect_frees_the_slot(gated_server):
     with httpx.Client(base_url=url, timeout=60) as c:
         gate.allow(1)  # its prefill (the first token); its next pass waits at the gate
         with c.stream("POST", "/v1/completions", json=req) as s:
-            next(s.iter_lines())  # the first token came ...
+            lines = s.iter_lines()  # kept: a dropped iterator closes the response, and the client is gone
+            next(lines)  # the first token came ...
             assert gate.wait_started(2) and scheduler.running == 1  # ... and its second pass waits: it holds the slot
             busy = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1"

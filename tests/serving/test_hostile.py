@@ -28,13 +28,26 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The list of colors: red, green, blue, red, green,"
 
 
+class Breakable:
+    """A scheduler's runner: its generator's passes, or an engine error while `broken`."""
+
+    def __init__(self, gen):
+        self.gen, self.broken = gen, False
+
+    def __call__(self, bp):
+        if self.broken:
+            raise RuntimeError("secret /internal/path detail")
+        return self.gen.model.run_batch(bp.windows, bp.start)
+
+
 @pytest.fixture(scope="module")
 def guarded(tiny_bundle):
     from specrt.runtime.generate import Generator
     from specrt.serving.api import create_app
     from specrt.serving.scheduler import Scheduler
 
-    scheduler = Scheduler(Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), max_waiting=8)
+    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2)
+    scheduler = Scheduler(gen, max_waiting=8, runner=Breakable(gen))
     with running(create_app(scheduler, "tiny", default_max_tokens=8, limits=LIMITS), limits=LIMITS) as url:
         yield url, scheduler
 
@@ -287,16 +300,13 @@ def test_chat_logprobs_streamed_equal_whole(guarded):
 # ── errors: generic, counted ────────────────────────────────────────────────────────────────
 def test_engine_errors_are_generic_and_counted(guarded, monkeypatch):
     url, scheduler = guarded
-    run_all = scheduler.gen.target.run_all
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("secret /internal/path detail")
-
     before = _metric(url, "/v1/completions", 500)
-    monkeypatch.setattr(scheduler.gen.target, "run_all", broken)
-    r = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+    scheduler.runner.broken = True
+    try:
+        r = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+    finally:
+        scheduler.runner.broken = False
     assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
-    monkeypatch.setattr(scheduler.gen.target, "run_all", run_all)
 
     def crash(*args, **kwargs):
         raise KeyError("secret-key")

@@ -11,26 +11,26 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tree import Tree
 from specrt.serving.scheduler import Scheduler, SchedulerFull
 from tests.scripted import Script, ScriptedDrafter, paced
-from tests.serving.conftest import Gate
 
 PROMPTS = ["Say hi.", "List three colors, then list them again.", "What is 2+2?", "Write a haiku about rain.",
            "Explain what a cat is.", "Count from 1 to 10."]
 PASS_S = 0.01  # what a target pass costs on a test's fake clock, whatever its shape
 
 
-def _pass_logits(gen: Generator, scheduler: Scheduler, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _pass_logits(gen: Generator, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
     """Prefill each prompt alone in its slot, then one batched 3-token chain pass over all slots vs the
     same pass per slot alone; returns (batched logits, single logits)."""
     from specrt.runtime.sequence import Pass
 
     plans = []
+    run = gen.model.run_batch
     for b, ids in enumerate(prompts):
         n = len(ids)
-        scheduler._pass([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b, b + 1)
+        run([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b)
         plans.append(Pass(np.asarray([ids[-1], 11, 12][: 1 + b % 3], np.int64), n - 1, Tree.chain(b % 3),
                           np.arange(1 + b % 3)))
-    batched = scheduler._pass(plans, 0, len(plans))["logits"].copy()
-    single = [scheduler._pass([p], b, b + 1)["logits"][0].copy() for b, p in enumerate(plans)]
+    batched = run(plans, 0)["logits"].copy()
+    single = [run([p], b)["logits"][0].copy() for b, p in enumerate(plans)]
     return batched, single
 
 
@@ -40,9 +40,8 @@ def test_batched_pass_equals_single_passes(which, tiny_bundle, real_bundle):
     equal the same rows computed one sequence at a time, bit for bit."""
     bundle = tiny_bundle if which == "tiny" else real_bundle
     gen = Generator(bundle, drafter="plain", max_seq_len=64 if which == "tiny" else 256, slots=3)
-    scheduler = Scheduler(gen)
     prompts = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
-    batched, single = _pass_logits(gen, scheduler, prompts)
+    batched, single = _pass_logits(gen, prompts)
     for b, s in enumerate(single):
         m = s.shape[0]
         assert np.array_equal(batched[b, :m], s), (b, float(np.abs(batched[b, :m] - s).max()))
@@ -69,8 +68,7 @@ def test_served_greedy_equals_single_request_plain(drafter, tiny_bundle, tiny_re
 def test_served_greedy_equals_single_request_on_real_model(real_bundle, real_generator):
     clock = FakeClock()  # every pass costs the same: the pass plan (hence whether drafts run) is the script's
     gen = Generator(real_bundle, drafter="ngram", max_seq_len=256, slots=4, clock=clock)
-    gen.target.run_all = paced(gen.target.run_all, clock, PASS_S)
-    scheduler = Scheduler(gen)
+    scheduler = Scheduler(gen, runner=paced(gen, clock, PASS_S))
     ids = [gen.tokenizer.encode_prompt(p) for p in PROMPTS[:4]]
     handles = [scheduler.submit(x, 24) for x in ids]
     scheduler.start()
@@ -100,28 +98,26 @@ def test_seeded_sampling_is_the_same_batched_or_alone(tiny_bundle):
 
 
 def test_cancel_frees_the_slot_and_full_engine_refuses(tiny_bundle, tiny_reference):
+    """Stepped by the test (no thread): each fact holds when the test acts."""
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
     scheduler = Scheduler(gen, max_waiting=1)
-    gate = Gate(scheduler, closed=True)
-    gate.allow(1)  # the prompt's pass; its first decode pass waits at the gate
-    scheduler.start()
-    try:
-        ids = gen.tokenizer.encode_prompt(PROMPTS[0], raw=True)
-        long = scheduler.submit(ids, 60 - len(ids))
-        next(iter(long))  # admitted: it holds the only slot
-        assert gate.wait_started(2)  # … and cannot finish while the test acts
-        assert long.result is None and scheduler.running == 1
-        waiting = scheduler.submit(ids, 5)  # queued
-        with pytest.raises(SchedulerFull, match="retry later"):
-            scheduler.submit(ids, 5)
-        long.cancel()
-        gate.open()
-        r = long.wait()
-        assert r.finish_reason == "cancelled" and len(r.token_ids) < 60 - len(ids)
-        assert waiting.wait().token_ids == tiny_reference.generate_ids(ids, 5).token_ids
-        assert scheduler.running == 0
-    finally:
-        scheduler.stop()
+    ids = gen.tokenizer.encode_prompt(PROMPTS[0], raw=True)
+    long = scheduler.submit(ids, 60 - len(ids))
+    scheduler.step()  # admitted, its prompt's pass: the first token
+    scheduler.step()
+    assert long.result is None and scheduler.running == 1 and len(next(iter(long))) == 1
+    waiting = scheduler.submit(ids, 5)  # queued
+    with pytest.raises(SchedulerFull, match="retry later"):
+        scheduler.submit(ids, 5)
+    long.cancel()
+    events = scheduler.step()  # the cancellation frees the slot; the waiting request takes it
+    assert [type(e).__name__ for e in events][:1] == ["Ended"] and events[0].handle is long
+    r = long.wait()
+    assert r.finish_reason == "cancelled" and len(r.token_ids) == 2
+    assert scheduler.running == 1 and not scheduler.waiting
+    while scheduler.running:
+        scheduler.step()
+    assert waiting.wait().token_ids == tiny_reference.generate_ids(ids, 5).token_ids
 
 
 def test_too_long_prompt_is_refused_at_submit(tiny_bundle):
@@ -198,8 +194,7 @@ def test_each_slot_adapts_its_own_draft_depth(tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2, adaptive=True, num_draft_tokens=4,
                     clock=clock)
     assert gen.slots == 2 and gen.drafter_name == "ngram", gen.notes
-    gen.target.run_all = paced(gen.target.run_all, clock, PASS_S)
-    scheduler = Scheduler(gen)
+    scheduler = Scheduler(gen, runner=paced(gen, clock, PASS_S))
     for slot in scheduler.slots:  # each slot drafts from the script
         slot.drafter = ScriptedDrafter(scripts, clock)
     handles = {p: scheduler.submit(list(p), n) for p, n in lengths.items()}  # slot 0: right, slot 1: wrong

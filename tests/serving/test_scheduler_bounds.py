@@ -3,165 +3,125 @@ the waiting queue's bound holds under a burst."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from specrt.runtime import sequence
 from specrt.runtime.generate import Generator
 from specrt.serving.scheduler import Scheduler, SchedulerFull
-from tests.serving.conftest import HOLD_S, Gate
 
 PROMPT = "The list of colors: red, green, blue, red, green, blue, red, green, blue, red, green, blue, red"
 
 
-def _trace_passes(scheduler) -> list[tuple[str, tuple[int, ...], range]]:
-    """Record every target pass as ("prefill", (slot,), its range) or ("decode", slots with a plan or a
-    placeholder, the range of slots the pass spans)."""
-    log = []
-    one, step = scheduler._prefill_chunk, scheduler._pass
+def _traced(gen, log: list) -> callable:
+    """A scheduler's runner recording every pass as (kind, slots it commits, the range of slots it spans)."""
+    def run(bp):
+        log.append((bp.kind, tuple(bp.slots), range(bp.start, bp.stop)))
+        return gen.model.run_batch(bp.windows, bp.start)
 
-    def traced_pass(plans, lo, hi):
-        kind = "prefill" if tracing["prefill"] else "decode"
-        log.append((kind, tuple(b for b, p in zip(range(lo, hi), plans, strict=True) if p is not None), range(lo, hi)))
-        return step(plans, lo, hi)
+    return run
 
-    def traced_chunk():
-        tracing["prefill"] = True
-        try:
-            one()
-        finally:
-            tracing["prefill"] = False
 
-    tracing = {"prefill": False}
-    scheduler._pass, scheduler._prefill_chunk = traced_pass, traced_chunk
-    return log
+def _drain(scheduler) -> None:
+    while scheduler.running or scheduler.waiting:
+        scheduler.step()
 
 
 def test_a_long_prompt_interleaves_with_decoding_and_stays_exact(tiny_bundle, tiny_reference, monkeypatch):
     monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)  # the tiny model's context is 64: 8-row chunks
-    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2)
-    scheduler = Scheduler(gen, max_waiting=4)
-    log = _trace_passes(scheduler)
+    gen, log = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), []
+    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log))
     short = gen.tokenizer.encode_prompt("red, green,", raw=True)
     long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
     assert len(short) <= 8 < 3 * 8 < len(long)
-    gate = Gate(scheduler, closed=True)
-    gate.allow(1)  # a's prompt (one chunk); its first decode pass waits until b is queued
-    scheduler.start()
-    try:
-        a = scheduler.submit(short, 40)
-        next(iter(a))  # a is decoding
-        b = scheduler.submit(long, 8)
-        gate.open()
-        got_a, got_b = a.wait().token_ids, b.wait().token_ids
-    finally:
-        scheduler.stop()
+    a = scheduler.submit(short, 40)
+    scheduler.step()  # a's prompt (one chunk): a decodes from the next step
+    b = scheduler.submit(long, 8)
+    _drain(scheduler)
     chunks = [i for i, (kind, slots, _) in enumerate(log) if kind == "prefill" and slots == (1,)]
     assert len(chunks) == -(-len(long) // 8)
-    between = log[chunks[0] : chunks[-1]]
-    # between b's first and last chunk, a decoded after every chunk: b delayed it by one chunk per step
-    assert sum(kind == "decode" for kind, _, _ in between) >= len(chunks) - 1
-    assert all(log[i + 1][0] == "decode" for i in chunks[:-1])
-    assert got_a == tiny_reference.generate_ids(short, 40).token_ids
-    assert got_b == tiny_reference.generate_ids(long, 8).token_ids
+    # each step ran one chunk of b and a decode pass of a: b delayed a by one chunk per step
+    assert all(log[i + 1][:2] == ("decode", (0,)) for i in chunks)
+    assert a.wait().token_ids == tiny_reference.generate_ids(short, 40).token_ids
+    assert b.wait().token_ids == tiny_reference.generate_ids(long, 8).token_ids
 
 
 def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, tiny_reference, monkeypatch):
     """Slots 0 and 2 decode while slot 1 prefills chunk by chunk: the batched decode passes span slot 1
     and must not write into the rows its earlier chunks filled."""
     monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)
-    gen = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=3)
-    scheduler = Scheduler(gen, max_waiting=4)
-    log = _trace_passes(scheduler)
-    finished_kv = {}  # slot 1's cache as its sequence finishes (afterwards it is a free slot again)
-    release = scheduler._release
-
-    def snapshot(slot):
-        if slot.index == 1:
-            finished_kv[slot.handle] = [buf[1].copy() for buf in gen.target.kv]
-        release(slot)
-
-    scheduler._release = snapshot
+    gen, log = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=3), []
+    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log))
     short = gen.tokenizer.encode_prompt("red, green,", raw=True)
     long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
     a, x, c = (scheduler.submit(short, 45) for _ in range(3))  # slots 0, 1, 2
-    gate = Gate(scheduler, closed=True)
-    # a, x, c each: its prompt's one chunk, then a decode step (one pass: a batch size not measured yet runs
-    # batched, pass_policy.py); the 7th pass waits, the first with all three decoding
-    gate.allow(6)
-    scheduler.start()
-    try:
-        assert gate.wait_started(7)
-        assert [s.handle for s in scheduler.slots] == [a, x, c] and all(s.decoding for s in scheduler.slots)
-        x.cancel()
-        b = scheduler.submit(long, 8)  # slot 1 again, once x is gone
-        gate.open()
-        x.wait()
-        got_b, got_a = b.wait().token_ids, a.wait().token_ids
-        c.wait()
-    finally:
-        scheduler.stop()
+    for _ in range(3):  # one prompt chunk a step: all three decode from the fourth
+        scheduler.step()
+    assert [s.handle for s in scheduler.slots] == [a, x, c] and all(s.decoding for s in scheduler.slots)
+    x.cancel()
+    b = scheduler.submit(long, 8)  # slot 1 again, once x is gone
+    kv = None  # slot 1's cache as b ends (afterwards it is a free slot again)
+    while kv is None:
+        if any(getattr(e, "result", None) is not None and e.handle is b for e in scheduler.step()):
+            kv = [buf[1].copy() for buf in gen.target.kv]
+    _drain(scheduler)
+    assert x.wait().finish_reason == "cancelled"
     chunks = [i for i, (kind, slots, _) in enumerate(log) if kind == "prefill" and slots == (1,)]
     assert len(chunks) > 2
     spanning = [span for kind, _, span in log[chunks[0] : chunks[-1]] if kind == "decode" and 1 in span]
     assert len(spanning) >= len(chunks) - 1  # decode passes spanned slot 1 while it prefilled
-    assert got_a == tiny_reference.generate_ids(short, 45).token_ids
-    assert got_b == tiny_reference.generate_ids(long, 8).token_ids
+    assert a.wait().token_ids == tiny_reference.generate_ids(short, 45).token_ids
+    assert b.wait().token_ids == tiny_reference.generate_ids(long, 8).token_ids
+    c.wait()
     n = len(long)  # slot 1's prompt rows equal a lone prefill's (the reference's slot 0), bitwise
-    for got, want in zip(finished_kv[b], tiny_reference.target.kv, strict=True):
+    for got, want in zip(kv, tiny_reference.target.kv, strict=True):
         np.testing.assert_array_equal(got[:, :n], want[0, :, :n])
 
 
 def test_max_waiting_holds_under_a_burst(tiny_bundle):
+    """A request counts against the bound from its submission to its end, queued or holding a slot."""
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
     scheduler = Scheduler(gen, max_waiting=2)
-    make, admitting, admit = gen.sequence, threading.Event(), threading.Event()
+    ids = gen.tokenizer.encode_prompt("red, green,", raw=True)
 
-    def held_admission(*args, **kwargs):  # the first request holds the moment between the queue and the slot
-        admitting.set()
-        assert admit.wait(HOLD_S)
-        return make(*args, **kwargs)
-
-    gen.sequence = held_admission
-    scheduler.start()
-    try:
-        ids = gen.tokenizer.encode_prompt("red, green,", raw=True)
-        accepted, refused = [scheduler.submit(ids, 20)], 0
-        assert admitting.wait(HOLD_S)  # it left the queue and claimed the only slot: the burst comes now
-        for _ in range(29):
+    def burst(n: int) -> list:
+        accepted = []
+        for _ in range(n):
             try:
                 accepted.append(scheduler.submit(ids, 20))
             except SchedulerFull:
-                refused += 1
-        assert len(accepted) == 1 + 2 and refused == 27  # one slot + two waiting
-        assert scheduler.metrics.rejected._value.get() == 27
-        for h in accepted:
-            h.cancel()
-    finally:
-        admit.set()
-        scheduler.stop()
+                pass
+        return accepted
+
+    accepted = burst(30)
+    assert len(accepted) == 1 + 2 and scheduler.metrics.rejected._value.get() == 27  # one slot + two waiting
+    scheduler.step()  # the first leaves the queue for the slot: it still counts
+    assert scheduler.running == 1 and len(scheduler.waiting) == 2 and burst(5) == []
+    accepted[0].cancel()
+    scheduler.step()  # it ended: one more fits
+    assert accepted[0].wait().finish_reason == "cancelled" and len(burst(5)) == 1
+    for h in scheduler.waiting:
+        h.cancel()
+    scheduler.stop()
+    assert scheduler.metrics.rejected._value.get() == 27 + 5 + 4
 
 
 def test_cancelled_while_prefilling_frees_the_slot(tiny_bundle, tiny_reference, monkeypatch):
     monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
     scheduler = Scheduler(gen, max_waiting=1)
-    gate = Gate(scheduler, closed=True)
-    gate.allow(1)  # the prompt's first chunk; its second waits at the gate
-    scheduler.start()
-    try:
-        long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
-        h = scheduler.submit(long, 8)
-        assert gate.wait_started(2) and scheduler.slots[0].prefill  # mid-prompt: more chunks to come
-        h.cancel()
-        gate.open()
-        assert h.wait().finish_reason == "cancelled" and h.result.token_ids == []
-        short = gen.tokenizer.encode_prompt("red, green,", raw=True)
-        assert scheduler.submit(short, 6).wait().token_ids == tiny_reference.generate_ids(short, 6).token_ids
-    finally:
-        scheduler.stop()
+    long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
+    h = scheduler.submit(long, 8)
+    scheduler.step()
+    assert scheduler.slots[0].prefill  # mid-prompt: more chunks to come
+    h.cancel()
+    scheduler.step()
+    assert h.wait().finish_reason == "cancelled" and h.result.token_ids == []
+    assert scheduler.running == 0
+    short = gen.tokenizer.encode_prompt("red, green,", raw=True)
+    done = scheduler.submit(short, 6)
+    _drain(scheduler)
+    assert done.wait().token_ids == tiny_reference.generate_ids(short, 6).token_ids
 
 
 @pytest.mark.parametrize("bias", [100.0, -100.0])
