@@ -7,8 +7,11 @@ clients, not streamed and streamed, at each concurrency level. Per engine × con
 
     output tok/s   completion tokens of all requests / wall time of the whole level
     latency        p50 / p95 of each request's time from sending to its last byte
-    TTFT           p50 time to first token: streamed, the first chunk carrying content; not streamed,
-                   the latency (the whole answer arrives at once)
+    TTFT           p50 / p95 time to first token: streamed, the first chunk carrying content; not
+                   streamed, the latency (the whole answer arrives at once)
+    ITL            streamed: p50 / p95 of the gaps between consecutive content chunks, over every request
+                   (vLLM's benchmark_serving's inter-token latency; a drafted step's tokens share a chunk)
+    TPOT           streamed: p50 over requests of (latency − TTFT) / (tokens − 1)
     same as single greedy texts equal to the engine's own single-request text (concurrency 1, not
                    streamed): does batching change its output?
     same as plain  specrt only: equal to single-request *plain* decoding (`--drafter plain`), specrt's
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +74,7 @@ class Outcome:
     latency_s: float
     ttft_s: float | None
     error: str | None = None
+    gaps_s: list[float] = field(default_factory=list)  # streamed: seconds between consecutive content chunks
 
 
 def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcome], wall_s: float,
@@ -81,16 +85,21 @@ def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcom
     tokens = sum(o.tokens for o in ok)
     texts = [o.text if o.error is None else None for o in outcomes]
     n = len(outcomes)
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    gaps = [g for o in ok for g in o.gaps_s]
+    tpots = [(o.latency_s - o.ttft_s) / (o.tokens - 1) for o in ok if o.gaps_s and o.tokens > 1]
 
     def rounded(x):
-        return None if x is None else round(x, 3)
+        return None if x is None else round(x, 4)
 
     row = {"engine": engine, "concurrency": concurrency, "stream": stream, "requests": n,
            "errors": n - len(ok), "tokens": tokens, "seconds": round(wall_s, 3),
            "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
            "latency_p50_s": rounded(percentile([o.latency_s for o in ok], 50)),
            "latency_p95_s": rounded(percentile([o.latency_s for o in ok], 95)),
-           "ttft_p50_s": rounded(percentile([o.ttft_s for o in ok if o.ttft_s is not None], 50)),
+           "ttft_p50_s": rounded(percentile(ttfts, 50)), "ttft_p95_s": rounded(percentile(ttfts, 95)),
+           "itl_p50_s": rounded(percentile(gaps, 50)), "itl_p95_s": rounded(percentile(gaps, 95)),
+           "tpot_p50_s": rounded(percentile(tpots, 50)),
            "same_as_single": None if single is None else count_equal(texts, single),
            "same_as_plain": None if plain is None else count_equal(texts, plain)}
     first = next((o.error for o in outcomes if o.error), None)
@@ -101,9 +110,9 @@ def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcom
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table; equality columns read k/n (blank where not measured)."""
-    head = ("| engine | concurrency | stream | tok/s | p50 latency s | p95 latency s | p50 TTFT s | errors "
-            "| same as own single | same as plain single |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| engine | load | stream | tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s "
+            "| p50 ITL ms | p95 ITL ms | errors | same as own single | same as plain single |")
+    lines = [head, "|" + "---|" * 13]
 
     def frac(r, key):
         return "" if r.get(key) is None else f"{r[key]}/{r['requests']}"
@@ -111,10 +120,15 @@ def format_table(rows: list[dict]) -> str:
     def num(x):
         return "" if x is None else f"{x}"
 
+    def ms(x):
+        return "" if x is None else f"{1000 * x:.1f}"
+
     for r in rows:
-        lines.append(f"| {r['engine']} | {r['concurrency']} | {'yes' if r['stream'] else 'no'} | "
+        load = f"{r['concurrency']} users" + (f", {r['rate']:g} req/s" if r.get("rate") else "")
+        lines.append(f"| {r['engine']} | {load} | {'yes' if r['stream'] else 'no'} | "
                      f"{num(r['tokens_per_s'])} | {num(r['latency_p50_s'])} | {num(r['latency_p95_s'])} | "
-                     f"{num(r['ttft_p50_s'])} | {r['errors']} | {frac(r, 'same_as_single')} | "
+                     f"{num(r['ttft_p50_s'])} | {num(r.get('ttft_p95_s'))} | {ms(r.get('itl_p50_s'))} | "
+                     f"{ms(r.get('itl_p95_s'))} | {r['errors']} | {frac(r, 'same_as_single')} | "
                      f"{frac(r, 'same_as_plain')} |")
     return "\n".join(lines)
 
@@ -169,7 +183,7 @@ async def _plain_request(client, body: dict) -> Outcome:
 
 async def _stream_request(client, body: dict) -> Outcome:
     t0 = time.perf_counter()
-    ttft, pieces, tokens, chunks, done = None, [], None, 0, False
+    ttft, pieces, tokens, chunks, done, gaps, last = None, [], None, 0, False, [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -184,8 +198,12 @@ async def _stream_request(client, body: dict) -> Outcome:
                 for choice in ev.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
+                        now = time.perf_counter()
                         if ttft is None:
-                            ttft = time.perf_counter() - t0
+                            ttft = now - t0
+                        else:
+                            gaps.append(now - last)
+                        last = now
                         pieces.append(piece)
                         chunks += 1
                 if ev.get("usage"):
@@ -194,7 +212,7 @@ async def _stream_request(client, body: dict) -> Outcome:
     if not done:
         return Outcome(None, 0, latency, ttft, "the stream ended without `data: [DONE]`")
     # without a usage chunk, a content chunk counts as one token (servers stream about one per token)
-    return Outcome("".join(pieces), chunks if tokens is None else tokens, latency, ttft)
+    return Outcome("".join(pieces), chunks if tokens is None else tokens, latency, ttft, gaps_s=gaps)
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Outcome:
@@ -208,15 +226,31 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, stream: 
         return Outcome(None, 0, time.perf_counter() - t0, None, f"{type(e).__name__}: {e}")
 
 
+def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """When each of `n` requests is sent, in seconds from the start: a Poisson process of `rate` requests
+    a second (exponential gaps, seeded: every engine gets the same schedule), or all at 0 (None)."""
+    if rate is None:
+        return [0.0] * n
+    if not rate > 0:
+        raise SpecrtError(f"--rate {rate}: give requests per second above 0")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
+
+
 async def drive(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, stream: bool,
-                progress=None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[Outcome], float]:
-    """Every prompt as one request, at most `concurrency` in flight; (outcomes in prompt order, wall s)."""
+                progress=None, timeout: float = REQUEST_TIMEOUT_S, rate: float | None = None
+                ) -> tuple[list[Outcome], float]:
+    """Every prompt as one request, at most `concurrency` in flight, sent as they arrive (`rate`: a
+    Poisson process of that many a second; None: all at once); (outcomes in prompt order, wall s)."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    schedule = arrivals(len(prompts), rate)
 
-    async def one(client, prompt):
+    async def one(client, prompt, at):
+        if at > 0:
+            await asyncio.sleep(at - (time.perf_counter() - t0))  # the arrival schedule: a load, not a verdict
         async with sem:
             out = await one_request(client, model, prompt, max_tokens, stream)
         if progress is not None:
@@ -225,13 +259,13 @@ async def drive(url: str, model: str, prompts: list[str], max_tokens: int, concu
 
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(client, p) for p in prompts))
+        outcomes = await asyncio.gather(*(one(client, p, at) for p, at in zip(prompts, schedule, strict=True)))
         return list(outcomes), time.perf_counter() - t0
 
 
 def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int, stream: bool,
-             progress=None) -> tuple[list[Outcome], float]:
-    return asyncio.run(drive(url, model, prompts, max_tokens, concurrency, stream, progress))
+             progress=None, rate: float | None = None) -> tuple[list[Outcome], float]:
+    return asyncio.run(drive(url, model, prompts, max_tokens, concurrency, stream, progress, rate=rate))
 
 
 # ---- servers --------------------------------------------------------------------------------------------
@@ -333,8 +367,10 @@ def levels_of(concurrencies: list[int], streams: tuple[bool, ...] = (False, True
 
 
 def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=print, bar: Callable | None = None,
-                   record: dict | None = None) -> dict[tuple[int, bool], tuple[list[Outcome], float]]:
-    """Start `engine`'s server alone, warm it up (one short request, not measured), run every level;
+                   record: dict | None = None, rate: float | None = None
+                   ) -> dict[tuple[int, bool], tuple[list[Outcome], float]]:
+    """Start `engine`'s server alone, warm it up (one short request, not measured), run every level
+    (`rate`: requests arriving as a Poisson process, but for the SINGLE reference, sent one by one);
     `record` gets the command line and environment it ran with."""
     port = free_port()
     argv, env = engine.start(port)
@@ -352,17 +388,23 @@ def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=prin
             progress = bar(total=len(prompts), desc=f"{engine.name} c={c}{' stream' if stream else ''}",
                            unit="req", leave=False) if bar else None
             try:
-                results[(c, stream)] = run_load(url, model, prompts, max_tokens, c, stream, progress)
+                results[(c, stream)] = run_load(url, model, prompts, max_tokens, c, stream, progress,
+                                                None if (c, stream) == SINGLE else rate)
             finally:
                 if progress is not None:
                     progress.close()
     return results
 
 
-def rows_of(name: str, results: dict, plain: list[str | None] | None = None) -> list[dict]:
-    """Table rows of one engine's results, each compared with its SINGLE run (and `plain`, where given)."""
+def rows_of(name: str, results: dict, plain: list[str | None] | None = None, rate: float | None = None) -> list[dict]:
+    """Table rows of one engine's results, each compared with its SINGLE run (and `plain`, where given);
+    `rate`: the arrival rate of every run but SINGLE."""
     single = [o.text if o.error is None else None for o in results[SINGLE][0]]
-    return [summarize(name, c, s, outs, wall, single, plain) for (c, s), (outs, wall) in results.items()]
+    rows = []
+    for (c, s), (outs, wall) in results.items():
+        rows.append(summarize(name, c, s, outs, wall, single, plain))
+        rows[-1]["rate"] = None if (c, s) == SINGLE else rate
+    return rows
 
 
 def texts_of(outcomes: list[Outcome]) -> list[str | None]:
@@ -399,15 +441,16 @@ def tuned_drafter(bundle: Path) -> str:
     return Manifest.load(bundle).runtime_defaults.get("drafter", "plain")
 
 
-def compare(bundle: Path, peer: str, drafter: str | None, prompts: list[str], max_tokens: int,
+def compare(bundle: Path, peer: str | None, drafter: str | None, prompts: list[str], max_tokens: int,
             concurrencies: list[int], threads: int, max_seq_len: int | None, flags: list[str],
-            log=print, bar: Callable | None = None) -> dict:
-    """The peer's server, then specrt's single-request plain reference, then `specrt serve --drafter
-    DRAFTER`, one at a time, under the same load; {"rows", "config", "outcomes"}."""
-    if peer not in SERVERS:
+            log=print, bar: Callable | None = None, rate: float | None = None) -> dict:
+    """The peer's server (None: none), then specrt's single-request plain reference, then `specrt serve
+    --drafter DRAFTER`, one at a time, under the same load; {"rows", "config", "outcomes"}."""
+    if peer is not None and peer not in SERVERS:
         raise SpecrtError(f"unknown --peer {peer!r}: choose from {', '.join(SERVERS)}")
     levels = levels_of(concurrencies)
-    other = SERVERS[peer](bundle, threads, max_seq_len, levels)  # refused first when the peer is not set up
+    # refused first when the peer is not set up
+    other = SERVERS[peer](bundle, threads, max_seq_len, levels) if peer is not None else None
     slots = max(concurrencies)
     chosen = drafter or tuned_drafter(bundle)
 
@@ -415,20 +458,20 @@ def compare(bundle: Path, peer: str, drafter: str | None, prompts: list[str], ma
         return Engine(name, lambda port: (specrt_serve_command(bundle, port, engine_slots, drafter_flag, flags), {}),
                       runs)
 
-    engines = [other]
+    engines = [other] if other is not None else []
     if chosen != "plain":
         # as many slots as the served engine: the same graph and execution mode, so the same reference
         # (on ort-fused a batch-1 server runs another graph: runtime/reference.py)
         engines.append(specrt_engine("specrt-plain", "plain", slots, [SINGLE]))
     engines.append(specrt_engine(f"specrt-{chosen}", drafter, slots, levels))
     commands: dict = {}
-    results = {e.name: measure_engine(e, prompts, max_tokens, log, bar, commands) for e in engines}
+    results = {e.name: measure_engine(e, prompts, max_tokens, log, bar, commands, rate) for e in engines}
     plain = texts_of(results["specrt-plain" if chosen != "plain" else f"specrt-{chosen}"][SINGLE][0])
-    rows = rows_of(other.name, results[other.name])
-    for e in engines[1:]:
-        rows += rows_of(e.name, results[e.name], plain)
+    rows = rows_of(other.name, results[other.name], rate=rate) if other is not None else []
+    for e in engines[1 if other is not None else 0:]:
+        rows += rows_of(e.name, results[e.name], plain, rate)
     config = {"peer": peer, "bundle": str(bundle), "drafter": chosen, "threads": threads, "max_tokens": max_tokens,
-              "requests": len(prompts), "concurrencies": concurrencies, "specrt_slots": slots, "flags": flags,
-              "commands": commands}
+              "requests": len(prompts), "concurrencies": concurrencies, "rate": rate, "specrt_slots": slots,
+              "flags": flags, "commands": commands}
     return {"config": config, "rows": rows,
             "outcomes": {name: outcomes_json(res) for name, res in results.items()}}

@@ -24,7 +24,8 @@ def default_prompts() -> Path:
     return Path(str(resources.files("specrt") / "data" / "bench_prompts.jsonl"))
 
 
-def _prompts(spec: str | None, per_category: int | None):
+def prompt_set(spec: str | None, per_category: int | None):
+    """`--prompts`: a JSONL file, "heldout" (the training corpus's held-out prompts) or None (the default set)."""
     from specrt.tools.bench import load_prompts
 
     if spec == "heldout":
@@ -108,7 +109,7 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
             from specrt.tools.peers import backend_peers
 
             peers.update(backend_peers(gen.bundle, backend_baseline, names, gen.threads, gen.capacity))
-        result = run_bench(gen, _prompts(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
+        result = run_bench(gen, prompt_set(prompts, per_category), names, max_new_tokens, repeats, peers, raw,
                            trees=tree_list, sampling=sampling)
     finally:
         close_peers(peers)
@@ -127,6 +128,6 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
         from specrt.tools.roofline import build_roofline, measure_bandwidth, prompt_token_counts
 
         bandwidth = measure_bandwidth(threads=gen.threads)  # same run, after the benchmark
-        lengths = prompt_token_counts(gen, _prompts(prompts, per_category), raw)
+        lengths = prompt_token_counts(gen, prompt_set(prompts, per_category), raw)
         roofline = build_roofline(result, gen, bandwidth, lengths)
         click.echo(f"report written: {write_report(result, report_dir, roofline)}")

@@ -29,26 +29,40 @@ from specrt.tools.serve_bench import SERVERS, write_json
                    "(chat, greedy, streamed and not) at every --concurrency: tok/s, p50/p95 latency, p50 TTFT, "
                    "errors, and greedy texts equal to the engine's own single request (specrt's also to "
                    "single-request plain decoding).")
+@click.option("--process", is_flag=True, default=False,
+              help="Instead: `specrt serve BUNDLE --slots MAX-CONCURRENCY` in a process of its own, the clients in "
+                   "this one, as --peer runs it, without a peer.")
+@click.option("--prompts", "prompts_spec", default=None,
+              help="JSONL file, one {\"prompt\"} per line, or 'heldout' (the training corpus's held-out prompts): "
+                   "request i sends prompt i (cycling when --requests is larger). Default: specrt's mixed set.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --peer or --process: requests arrive as a Poisson process of this many a second (seeded; "
+                   "each server gets the same schedule), at most --concurrency in flight; the single-request "
+                   "reference still sends them one by one.")
 @runtime_options
-def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, **runtime):
+def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, process, prompts_spec,
+            rate, **runtime):
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
     --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
     from specrt.serving import require_http
 
     require_http("specrt bench-serve")
-    from specrt.cli.bench_cmd import default_prompts
-    from specrt.tools.bench import load_prompts
+    from specrt.cli.bench_cmd import prompt_set
     from specrt.tools.loadgen import bench_serve, format_rows
 
     concurrency = concurrency or ("1,4,16,32" if peer else "1,4,8")
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         raise click.BadParameter(f"{concurrency!r}: give positive integers such as 1,4,8", param_hint="--concurrency")
-    prompts = [p.prompt for p in load_prompts(default_prompts())]
-    if peer:
+    if rate is not None and not (peer or process):
+        raise click.UsageError("--rate needs --peer or --process (a server in its own process)")
+    prompts = [p.prompt for p in prompt_set(prompts_spec, None)]
+    if not prompts:
+        raise click.BadParameter(f"{prompts_spec}: no prompts in it", param_hint="--prompts")
+    if peer or process:
         return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
-                     levels, json_out, runtime)
+                     levels, json_out, runtime, rate)
     if mixed:
         return _mixed(bundle, drafter, prompts, mixed, levels[0], slots, max_tokens, json_out, runtime)
     gen = make_generator(bundle, drafter, slots=max(levels), **runtime)
@@ -86,7 +100,7 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
         raise SystemExit(1)
 
 
-def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime):
+def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime, rate=None):
     """Each server alone, the same load on each (tools/serve_bench.py); the table, and --json."""
     from tqdm import tqdm
 
@@ -95,9 +109,10 @@ def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime)
 
     path = resolve_bundle(bundle)
     result = compare(path, peer, drafter, prompts, max_tokens, levels, runtime["threads"], runtime["max_seq_len"],
-                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm)
-    click.echo(f"{len(prompts)} chat requests × ≤{max_tokens} tokens, greedy, {runtime['threads']} threads; "
-               "each server alone")
+                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm, rate=rate)
+    arriving = f"arriving at {rate:g}/s (Poisson), " if rate else ""
+    click.echo(f"{len(prompts)} chat requests ({len(set(prompts))} distinct) × ≤{max_tokens} tokens, greedy, "
+               f"{arriving}{runtime['threads']} threads; each server alone")
     click.echo(format_table(result["rows"]))
     if json_out:
         write_json(json_out, result)

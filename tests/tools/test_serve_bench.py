@@ -54,10 +54,34 @@ def test_summarize_counts_tokens_latency_and_ttft_of_successful_requests_only():
 def test_format_table_shows_equality_as_a_fraction_and_blanks_what_was_not_measured():
     a = sb.summarize("vllm-bfloat16", 1, False, [sb.Outcome("x", 4, 1.0, 1.0)] * 2, 1.0, ["x", "y"])
     b = sb.summarize("specrt-ngram", 16, True, [sb.Outcome("x", 4, 1.0, 0.5)] * 2, 1.0, ["x", "x"], ["x", "x"])
-    table = sb.format_table([a, b]).splitlines()
-    assert table[0].startswith("| engine | concurrency | stream | tok/s")
-    assert table[2] == "| vllm-bfloat16 | 1 | no | 8.0 | 1.0 | 1.0 | 1.0 | 0 | 1/2 |  |"
-    assert table[3] == "| specrt-ngram | 16 | yes | 8.0 | 1.0 | 1.0 | 0.5 | 0 | 2/2 | 2/2 |"
+    c = sb.summarize("specrt-ngram", 16, True, [sb.Outcome("x", 3, 1.0, 0.5, gaps_s=[0.25, 0.25])], 1.0)
+    c["rate"] = 2.5
+    table = sb.format_table([a, b, c]).splitlines()
+    assert table[0].startswith("| engine | load | stream | tok/s")
+    assert table[2] == "| vllm-bfloat16 | 1 users | no | 8.0 | 1.0 | 1.0 | 1.0 | 1.0 |  |  | 0 | 1/2 |  |"
+    assert table[3] == "| specrt-ngram | 16 users | yes | 8.0 | 1.0 | 1.0 | 0.5 | 0.5 |  |  | 0 | 2/2 | 2/2 |"
+    assert table[4] == "| specrt-ngram | 16 users, 2.5 req/s | yes | 3.0 | 1.0 | 1.0 | 0.5 | 0.5 | 250.0 | 250.0 | 0 |  |  |"
+
+
+def test_summarize_takes_itl_over_every_gap_and_tpot_per_request():
+    outs = [sb.Outcome("a", 5, 1.0, 0.2, gaps_s=[0.1, 0.1, 0.3, 0.3]), sb.Outcome("b", 3, 2.0, 1.0, gaps_s=[0.5, 0.5]),
+            sb.Outcome(None, 0, 9.0, None, "HTTP 500: boom", gaps_s=[9.0])]
+    row = sb.summarize("e", 2, True, outs, 1.0)
+    assert row["itl_p50_s"] == 0.3 and row["itl_p95_s"] == 0.5  # the failed request's gaps are left out
+    assert row["tpot_p50_s"] == pytest.approx((0.2 + 0.5) / 2)  # (1.0 - 0.2) / 4 and (2.0 - 1.0) / 2
+    assert row["ttft_p95_s"] == pytest.approx(0.96)
+    assert sb.summarize("e", 1, False, [sb.Outcome("x", 4, 1.0, 1.0)], 1.0)["itl_p50_s"] is None
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    times = sb.arrivals(4000, 8.0)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and np.all(gaps > 0) and times == sb.arrivals(4000, 8.0)
+    assert abs(gaps.mean() - 1 / 8) < 0.05 / 8  # exponential gaps: mean 1/rate …
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.05  # … and coefficient of variation 1 (not a fixed pace)
+    assert sb.arrivals(3, None) == [0.0, 0.0, 0.0]
+    with pytest.raises(SpecrtError, match="--rate"):
+        sb.arrivals(3, 0.0)
 
 
 def test_levels_put_the_single_request_reference_first_once():
@@ -161,6 +185,8 @@ def test_client_measures_a_real_specrt_serve_streamed_and_not(real_bundle):
     assert [o.tokens for o in streamed] == [o.tokens for o in plain]  # from the usage chunk
     assert all(o.ttft_s == o.latency_s for o in plain)
     assert all(0 < o.ttft_s < o.latency_s for o in streamed)
+    assert all(o.gaps_s == [] for o in plain) and all(0 < len(o.gaps_s) < o.tokens for o in streamed)
+    assert all(o.ttft_s + sum(o.gaps_s) <= o.latency_s for o in streamed)
     assert 0 < wall and bad[0].error.startswith("HTTP 4") and bad[0].text is None
     dead, _ = sb.run_load(url, model, prompts[:1], 4, 1, True)  # the server is gone now
     assert dead[0].error and "Connect" in dead[0].error
@@ -171,6 +197,15 @@ def test_bench_serve_passes_given_runtime_options_on_to_specrt_serve():
 
     flags = _runtime_flags({"threads": 2, "max_seq_len": 512, "adaptive": False, "backend": "auto", "tree": None})
     assert flags == ["--threads", "2", "--max-seq-len", "512", "--fixed-depth"]  # defaults left out, threads kept
+
+
+def test_bench_serve_refuses_a_rate_without_a_server_process(tmp_path):
+    from click.testing import CliRunner
+
+    from specrt.cli.bench_serve_cmd import command
+
+    result = CliRunner().invoke(command, [str(tmp_path), "--rate", "2"])
+    assert result.exit_code == 2 and "--rate needs --peer or --process" in result.output
 
 
 def test_bench_serve_peer_without_its_venv_names_the_setup_command(tmp_path, monkeypatch):
