@@ -15,6 +15,7 @@ import numpy as np
 
 from specrt.engines.registry import backend_entry, open_decoder, resolve_backend
 from specrt.errors import SpecrtError
+from specrt.runtime.batch import BatchOutputs, pack_ragged
 from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
@@ -128,11 +129,16 @@ class TargetModel:
         self.decoder.select(0, 1)
         return self.decoder.run_all(*pack_windows([p]))
 
-    def run_batch(self, windows: list[Pass | None], start: int) -> dict[str, np.ndarray]:
+    def run_batch(self, windows: list[Pass | None], start: int) -> BatchOutputs:
         """One target pass over KV slots start..start+len(windows)-1, slot start+i running `windows[i]`
-        (None: an idle slot, a dummy row at its row 0); outputs batch-major as `run_pass` gives them."""
+        (None: an idle slot). Ragged where the decoder runs such passes (native: no padding rows, an idle
+        slot runs nothing), else padded to the longest window (an idle slot: a dummy row at its row 0);
+        either way `.of(i)` is slot start+i's outputs as a batch-1 pass gives them (runtime/batch.py)."""
         self.decoder.select(start, start + len(windows))
-        return self.decoder.run_all(*pack_windows(windows))
+        if hasattr(self.decoder, "run_ragged"):
+            pack = pack_ragged(windows)
+            return BatchOutputs(self.decoder.run_ragged(pack), pack.rows, pack.nlogits)
+        return BatchOutputs(self.decoder.run_all(*pack_windows(windows)))
 
     def forward(self, window, past: int, tree: Tree | None = None, rows=None) -> dict[str, np.ndarray]:
         """One target pass over `window` (a chain unless `tree`) written at KV rows past..; every output

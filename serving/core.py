@@ -34,6 +34,7 @@ import numpy as np
 
 from specrt.engines.registry import backend_entry
 from specrt.runtime.adaptive import AdaptiveDepth
+from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
 from specrt.runtime.sequence import Pass, Sequence
 from specrt.runtime.stats import Result
@@ -49,17 +50,27 @@ BATCH_HISTORY = 4096  # sequences per decode pass kept (for the bench and tests;
 @dataclass
 class BatchPass:
     """One target pass over KV slots start..start+len(windows)-1. `windows[i]` is slot start+i's window;
-    None, or a dummy row, where a slot in the range has nothing to commit (`slots` lists those that do)."""
+    None, or a placeholder, where a slot in the range has nothing in it. `slots` lists the slots it commits
+    for: decoding sequences' rows, and `chunk`'s prompt chunk where it carries one."""
 
-    kind: str  # "prefill" (one prompt chunk, batch 1) or "decode"
     start: int
     windows: list[Pass | None]
     slots: list[int]
-    final: bool = False  # a prefill pass: the prompt's last chunk (its logits give the first token)
+    chunk: int | None = None  # the slot whose prompt chunk this pass carries
+    final: bool = False  # … and that chunk is its prompt's last (its logits give the first token)
+
+    @property
+    def kind(self) -> str:
+        """"prefill": a prompt chunk alone; "decode": decode rows (with a prompt chunk beside them, `chunk`)."""
+        return "prefill" if self.slots == [self.chunk] else "decode"
 
     @property
     def stop(self) -> int:
         return self.start + len(self.windows)
+
+    @property
+    def decoding(self) -> list[int]:
+        return [b for b in self.slots if b != self.chunk]
 
 
 @dataclass
@@ -73,7 +84,7 @@ class StepPlan:
 class PassOutput:
     """What the driver got from one planned pass: its outputs and seconds, or the error it raised."""
 
-    outs: dict[str, np.ndarray] | None
+    outs: BatchOutputs | None
     seconds: float = 0.0
     error: BaseException | None = None
 
@@ -130,20 +141,24 @@ class Slot:
         return self.seq is not None and not self.ready
 
     def idle_window(self) -> Pass | None:
-        """This slot's rows in a pass it commits nothing from. A free slot: none (a dummy row at its row
-        0). A prompt not fully prefilled: one dummy row where its next chunk (or its first decode step)
-        starts, which that overwrites: the rows its earlier chunks filled stay as they are."""
+        """This slot's rows in a pass it commits nothing from: None for a free slot; for a prompt not fully
+        prefilled, a placeholder asking for no logits. A ragged pass runs nothing for either; a padded one
+        runs a dummy row, at row 0 of a free slot, and where the prompt's next chunk (or its first decode
+        step) starts, which that overwrites: the rows its earlier chunks filled stay as they are."""
         if self.seq is None:
             return None
         row = self.prefill[0].past if self.prefill else len(self.seq.tokens)
-        return Pass(np.zeros(1, np.int64), row, Tree.chain(0), np.zeros(1, np.int64))
+        return Pass(np.zeros(1, np.int64), row, Tree.chain(0), np.zeros(0, np.int64))
 
 
 class SchedulerCore:
     """The step's decisions over `n_slots` of `gen`'s KV slots (its drafter settings are the server's)."""
 
-    def __init__(self, gen: Generator, n_slots: int):
+    def __init__(self, gen: Generator, n_slots: int, mix_chunks: bool | None = None):
+        """`mix_chunks`: a prompt chunk rides in the decode pass (default: where the target runs ragged
+        passes, which need no padding rows for it: native); else it runs as a pass of its own."""
         self.gen = gen
+        self.mix_chunks = hasattr(gen.model.decoder, "run_ragged") if mix_chunks is None else mix_chunks
         self.slots = [self._new_slot(i) for i in range(n_slots)]
         self.batch_windows = backend_entry(gen.backend).batch_windows
         self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()
@@ -187,17 +202,18 @@ class SchedulerCore:
         free = (s for s in self.slots if s.handle is None)
         for handle in admit:
             self._admit(next(free), handle, events)
-        passes = []
-        if chunk := self._prefill_chunk():
-            passes.append(chunk)
+        chunk = self._prefill_chunk()
         live = [s for s in self.slots if s.decoding]
         policy = self._policy(live)
         if policy is not None:
             self.plans[policy] += 1
         groups = [[s] for s in live] if policy == "drafted" else [live] if live else []
-        for group in groups:
-            if bp := self._decode_pass(group, 0 if policy == "batched" else None, events):
-                passes.append(bp)
+        passes = [bp for group in groups if (bp := self._decode_pass(group, 0 if policy == "batched" else None, events))]
+        if chunk is not None:
+            if self.mix_chunks and len(passes) == 1:
+                passes[0] = self._with_chunk(passes[0], chunk)
+            else:
+                passes.insert(0, chunk)
         return StepPlan(passes, events, policy)
 
     def _admit(self, slot: Slot, handle: Handle, events: list[Event]) -> None:
@@ -229,7 +245,15 @@ class SchedulerCore:
             return None
         slot = min(waiting, key=lambda s: s.order)
         p = slot.prefill.popleft()
-        return BatchPass("prefill", slot.index, [p], [slot.index], final=not slot.prefill)
+        return BatchPass(slot.index, [p], [slot.index], slot.index, final=not slot.prefill)
+
+    def _with_chunk(self, decode: BatchPass, chunk: BatchPass) -> BatchPass:
+        """The decode pass with the prompt chunk beside its rows, over the slot range both span."""
+        at = {b: decode.windows[b - decode.start] for b in decode.decoding}
+        at[chunk.chunk] = chunk.windows[0]
+        lo, hi = min(at), max(at) + 1
+        return BatchPass(lo, [at[b] if b in at else self.slots[b].idle_window() for b in range(lo, hi)],
+                         sorted(at), chunk.chunk, chunk.final)
 
     def _policy(self, live: list[Slot]) -> str | None:
         """How several decoding sequences share this step (None: one, or none, decodes)."""
@@ -258,8 +282,8 @@ class SchedulerCore:
         if not windows:
             return None
         lo, hi = min(windows), max(windows) + 1
-        return BatchPass("decode", lo, [windows[b] if b in windows else self.slots[b].idle_window()
-                                        for b in range(lo, hi)], sorted(windows))
+        return BatchPass(lo, [windows[b] if b in windows else self.slots[b].idle_window() for b in range(lo, hi)],
+                         sorted(windows))
 
     # ── apply ────────────────────────────────────────────────────────────────────────────────
     def apply(self, plan: StepPlan, outputs: list[PassOutput]) -> list[Event]:
@@ -268,20 +292,23 @@ class SchedulerCore:
         for bp, out in zip(plan.passes, outputs, strict=True):
             if out.error is not None:
                 events += [self._fail(self.slots[b], out.error) for b in bp.slots if self.slots[b].seq is not None]
-            elif bp.kind == "prefill":
+                continue
+            if bp.chunk is not None:
                 self._absorb(bp, out, events)
-            else:
+            if bp.decoding:
                 self._commit(bp, out, events)
         return events
 
     def _absorb(self, bp: BatchPass, out: PassOutput, events: list[Event]) -> None:
-        slot = self.slots[bp.start]
+        """The prompt chunk's rows: the features they give a drafter; after the last, the first token."""
+        slot = self.slots[bp.chunk]
         try:
-            slot.seq.absorb(bp.windows[0], out.outs)
+            outs = out.outs.of(bp.chunk - bp.start)
+            slot.seq.absorb(bp.windows[bp.chunk - bp.start], outs)
             slot.prefill_seconds += out.seconds
             if not bp.final:
                 return
-            first = slot.seq.prefilled(out.outs["logits"][0], slot.prefill_seconds)
+            first = slot.seq.prefilled(outs["logits"][0], slot.prefill_seconds)
             slot.ready = True
             events.append(Delivered(slot.handle, first, self._new_logprobs(slot), first=True))
             if slot.seq.done:
@@ -290,17 +317,20 @@ class SchedulerCore:
             events.append(self._fail(slot, e))
 
     def _commit(self, bp: BatchPass, out: PassOutput, events: list[Event]) -> None:
-        """Each sequence of a decode pass accepts and commits its own number of tokens."""
+        """Each sequence of a decode pass accepts and commits its own number of tokens. The pass's seconds
+        teach the pass policy its cost unless a prompt chunk rode in it (a shape the policy does not price)."""
         self.steps += 1
-        self.batch_sizes.append(len(bp.slots))
-        self.costs.observe(len(bp.windows), max(len(bp.windows[b - bp.start].window) for b in bp.slots), out.seconds)
-        for b in bp.slots:
+        self.batch_sizes.append(len(bp.decoding))
+        if bp.chunk is None:
+            self.costs.observe(len(bp.windows), max(len(bp.windows[b - bp.start].window) for b in bp.slots),
+                               out.seconds)
+        for b in bp.decoding:
             slot, i = self.slots[b], b - bp.start
             p = bp.windows[i]
             try:
                 before = slot.seq.stats.accepted
-                new = slot.seq.commit(p, out.outs["logits"][i, : len(p.window)],
-                                      {k: v[i : i + 1] for k, v in out.outs.items()}, out.seconds)
+                outs = out.outs.of(i)
+                new = slot.seq.commit(p, outs["logits"][0, : len(p.window)], outs, out.seconds)
                 accepted = slot.seq.stats.accepted - before
                 if not p.capped:
                     slot.window_rows = len(p.window)

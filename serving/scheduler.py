@@ -21,9 +21,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-import numpy as np
-
 from specrt.errors import SpecrtError
+from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.sequence import check_prompt
@@ -31,7 +30,7 @@ from specrt.serving.core import BatchPass, Delivered, Ended, Event, PassOutput, 
 from specrt.serving.handle import Handle
 from specrt.serving.metrics import Metrics
 
-Runner = Callable[[BatchPass], dict[str, np.ndarray]]  # one planned pass's outputs
+Runner = Callable[[BatchPass], BatchOutputs]  # one planned pass's outputs
 
 
 class SchedulerFull(SpecrtError):
@@ -160,9 +159,9 @@ class Scheduler:
                 continue
             seconds = self.clock() - t0
             outputs.append(PassOutput(outs, seconds))
-            if bp.kind == "decode":
+            if bp.decoding:
                 self.metrics.step_seconds.observe(seconds)
-                self.metrics.batch_size.observe(len(bp.slots))
+                self.metrics.batch_size.observe(len(bp.decoding))
         return outputs
 
     # ── delivery ────────────────────────────────────────────────────────────────────────────

@@ -53,6 +53,7 @@ SIGNATURES = {
     "spn_set_rope": (I32, [P, I32, I32, P, P]),
     "spn_set_taps": (I32, [P, I32, P]),
     "spn_pass": (I32, [P, I32, I32, P, P, P, P, I32, P, P, I64, I32, P, P, P]),
+    "spn_pass_ragged": (I32, [P, I32, P, P, P, P, P, P, P, P, I64, I32, P, P, P]),
     "spn_feature_pass": (I32, [P, I32, P, P, P, I64, P, P, P, I32, P, P, I32, P, P]),
     "spn_linear_new": (P, [I32, I32, I32, P, I64, P, I64, P, I64, P, I64]),
     "spn_linear_free": (None, [P]),

@@ -133,5 +133,38 @@ class NativeDecoder(Decoder):
             raise SpecrtError(f"native pass failed: {library.last_error()}")
         return out
 
+    def run_ragged(self, pack) -> dict[str, np.ndarray]:
+        """A pass over the selected slots without padding rows (runtime/batch.py's `Ragged`: each slot's
+        window one after the other; an idle slot has none): logits [Σ nlogits, V], hidden_states
+        [Σ rows, H], aux_hidden_states [Σ rows, taps·H]. Every size is checked here before the call."""
+        start, stop = self.slots
+        b = stop - start
+        rows, nlogits = np.ascontiguousarray(pack.rows, np.int64), np.ascontiguousarray(pack.nlogits, np.int64)
+        ids, pos = np.ascontiguousarray(pack.ids, np.int64), np.ascontiguousarray(pack.pos, np.int64)
+        past = np.ascontiguousarray(pack.past, np.int64)
+        mask = np.ascontiguousarray(pack.mask, np.uint8)
+        index = np.ascontiguousarray(pack.logits_index, np.int64)
+        m, rt = int(rows.sum()), int(nlogits.sum())
+        if (rows.shape != (b,) or nlogits.shape != (b,) or past.shape != (b,) or ids.shape != (m,) or pos.shape != (m,)
+                or mask.shape != (int((rows * rows).sum()),) or index.shape != (rt,) or m < 1 or rt < 1
+                or (rows < 0).any() or (nlogits < 0).any()):
+            raise SpecrtError(f"internal: a ragged pass over slots {start}..{stop - 1} with inconsistent sizes")
+        for i in range(b):
+            self.check_rows(past[i : i + 1], int(rows[i]))
+        if int(pos.max()) >= self.rope_rows:
+            raise SpecrtError(f"position {int(pos.max())} is past this decoder's rotary table ({self.rope_rows} rows)")
+        cfg = self.cfg
+        out = {"logits": self._buffer("logits", (rt, cfg.vocab_size)),
+               "hidden_states": self._buffer("hidden_states", (m, cfg.hidden_size))}
+        if self.taps:
+            out["aux_hidden_states"] = self._buffer("aux_hidden_states", (m, len(self.taps) * cfg.hidden_size))
+        rc = self.lib.spn_pass_ragged(self._h, b, calls.ptr(rows), calls.ptr(nlogits), calls.ptr(ids), calls.ptr(pos),
+                                      calls.ptr(past), calls.ptr(mask), calls.ptr(index), self._kv_pointers(start),
+                                      self._slot_stride, self.capacity, calls.ptr(out["logits"]),
+                                      calls.ptr(out["hidden_states"]), calls.ptr(out.get("aux_hidden_states")))
+        if rc != 0:
+            raise SpecrtError(f"native pass failed: {library.last_error()}")
+        return out
+
     def compact(self, dst: int, rows: list[int], slot: int | None = None) -> None:
         compact_host_kv(self.kv, dst, rows, slot)

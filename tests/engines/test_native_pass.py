@@ -147,3 +147,75 @@ def test_the_tapped_layers_are_output_as_the_int4_graph_outputs_them(trained_int
     a, b = native.run_all(*args)["aux_hidden_states"], ort.run_all(*args)["aux_hidden_states"]
     assert a.shape == b.shape == (1, 12, 3 * 576)
     assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
+
+
+def _ragged_session(dec, rng, vocab, ragged: bool):
+    """Slots 0 and 2 prefilled (slot 1 idle), then ONE pass mixing a tree window (slot 0), a prompt chunk
+    asking for its last row only (slot 1) and a chain (slot 2): each slot's outputs, as a batch-1 pass
+    gives them, and the KV rows each slot wrote."""
+    from specrt.runtime.batch import BatchOutputs, pack_ragged
+    from specrt.runtime.sequence import Pass, pack_windows
+    from specrt.runtime.tree import Tree
+
+    def run(plans):
+        dec.select(0, len(plans))
+        if ragged:
+            pack = pack_ragged(plans)
+            return BatchOutputs({k: v.copy() for k, v in dec.run_ragged(pack).items()}, pack.rows, pack.nlogits)
+        return BatchOutputs({k: v.copy() for k, v in dec.run_all(*pack_windows(plans)).items()})
+
+    def chain(ids, past, rows=None):
+        return Pass(ids, past, Tree.chain(len(ids) - 1), np.arange(len(ids)) if rows is None else rows)
+
+    first = [chain(rng.integers(0, vocab, 37), 0), None, chain(rng.integers(0, vocab, 11), 0)]
+    mixed = [Pass(rng.integers(0, vocab, 6), 37, Tree.from_parents([-1, 0, 0, 1, 2, 2]), np.arange(6)),
+             chain(rng.integers(0, vocab, 20), 0, np.array([19])), chain(rng.integers(0, vocab, 3), 11)]
+    outs = []
+    for plans in (first, mixed):
+        got = run(plans)
+        for i, p in enumerate(plans):
+            if p is not None:
+                o = got.of(i)
+                outs.append({"logits": o["logits"][0, : len(p.rows)], "hidden_states": o["hidden_states"][0, : len(p.window)]})
+    ends = [43, 20, 14]
+    kv = [buf[b, :, :end].copy() for buf in dec.kv for b, end in enumerate(ends)]
+    return outs, kv
+
+
+@pytest.mark.parametrize("kernel", list(library.KERNELS))
+def test_a_ragged_pass_gives_each_row_what_the_padded_pass_gives(bundle, kernel):
+    """No padding rows, an idle slot running nothing, a prompt chunk beside decode windows in one pass:
+    every output row and every KV row bitwise those of padded passes."""
+    needs(kernel)
+    one, two = decoder(bundle, kernel, 64), decoder(bundle, kernel, 64)
+    padded = _ragged_session(one, np.random.default_rng(3), one.cfg.vocab_size, ragged=False)
+    ragged = _ragged_session(two, np.random.default_rng(3), two.cfg.vocab_size, ragged=True)
+    for a, b in zip(ragged[0], padded[0], strict=True):
+        for name in a:
+            assert a[name].shape == b[name].shape and np.array_equal(a[name], b[name]), (name, a[name].shape)
+    for a, b in zip(ragged[1], padded[1], strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_ragged_pass_of_inconsistent_sizes_is_refused_before_the_library(bundle):
+    from specrt.engines.native import calls
+    from specrt.errors import SpecrtError
+    from specrt.runtime.batch import Ragged
+
+    dec = decoder(bundle, "scalar", 64, batch=2)
+    dec.select(0, 2)
+    good = Ragged(np.array([1, 2, 3]), np.array([0, 0, 1]), np.array([0, 0]), np.ones(5, np.uint8),
+                  np.array([1, 2]), np.array([1, 1]), np.array([0, 1]))
+    dec.run_ragged(good)
+    for field, bad in [("mask", np.ones(4, np.uint8)), ("ids", np.array([1, 2])), ("rows", np.array([1, 2, 0])),
+                       ("logits_index", np.array([0]))]:
+        with pytest.raises(SpecrtError, match="inconsistent sizes"):
+            dec.run_ragged(Ragged(**{**good.__dict__, field: bad}))
+    # the library's own check: a sequence with no rows asks for a logits row
+    rows, nlogits = np.array([0, 3], np.int64), np.array([1, 1], np.int64)
+    rc = dec.lib.spn_pass_ragged(dec._h, 2, calls.ptr(rows), calls.ptr(nlogits), calls.ptr(good.ids),
+                                 calls.ptr(good.pos), calls.ptr(good.past), calls.ptr(good.mask),
+                                 calls.ptr(good.logits_index), dec._kv_pointers(0), dec._slot_stride, dec.capacity,
+                                 calls.ptr(np.zeros((2, dec.cfg.vocab_size), np.float32)),
+                                 calls.ptr(np.zeros((3, dec.cfg.hidden_size), np.float32)), None)
+    assert rc != 0 and "sequence 0 has 0 rows and 1 logits rows" in library.last_error()

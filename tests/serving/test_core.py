@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specrt.runtime import sequence
+from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
 from specrt.serving.core import Delivered, Ended, PassOutput, SchedulerCore
@@ -32,7 +33,7 @@ def outputs(core: SchedulerCore, plan, token: dict[int, int]) -> list[PassOutput
         logits = np.zeros((len(bp.windows), rows, vocab), np.float32)
         for i in range(len(bp.windows)):
             logits[i, :, token.get(bp.start + i, 0)] = 1.0
-        outs.append(PassOutput({"logits": logits}, seconds=0.01))
+        outs.append(PassOutput(BatchOutputs({"logits": logits}), seconds=0.01))
     return outs
 
 
@@ -57,6 +58,27 @@ def test_prompts_prefill_oldest_first_and_decode_from_the_next_step(core):
     assert [(bp.kind, bp.slots, bp.start, bp.stop) for bp in plan.passes] == [("decode", [0, 1], 0, 2)]
     assert delivered(core.apply(plan, outputs(core, plan, {0: 13, 1: 22}))) == {a: [13], b: [22]}
     assert list(core.batch_sizes) == [1, 2]
+
+
+def test_where_passes_are_ragged_a_prompt_chunk_rides_in_the_decode_pass(tiny_bundle, monkeypatch):
+    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
+    core = SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3, mix_chunks=True)
+    a, b = request([5, 6, 7], 8), request(list(range(30, 39)), 4)
+    plan = core.plan([a])
+    core.apply(plan, outputs(core, plan, {0: 11}))
+    plan = core.plan([b])  # b's first chunk beside a's decode row: one pass over slots 0..1
+    assert [(bp.kind, bp.slots, bp.chunk, bp.final) for bp in plan.passes] == [("decode", [0, 1], 1, False)]
+    assert len(plan.passes[0].windows[1].window) == 4 and plan.passes[0].windows[1].rows.tolist() == [3]
+    assert delivered(core.apply(plan, outputs(core, plan, {0: 12, 1: 21}))) == {a: [12]}
+    plan = core.plan()  # its second chunk, then its last (one row): each beside a's row
+    assert [(bp.slots, bp.chunk, bp.final) for bp in plan.passes] == [([0, 1], 1, False)]
+    core.apply(plan, outputs(core, plan, {0: 13, 1: 21}))
+    plan = core.plan()
+    assert [(bp.slots, bp.chunk, bp.final) for bp in plan.passes] == [([0, 1], 1, True)]
+    assert delivered(core.apply(plan, outputs(core, plan, {0: 14, 1: 22}))) == {a: [14], b: [22]}
+    plan = core.plan()  # both decode
+    assert [(bp.kind, bp.slots, bp.chunk) for bp in plan.passes] == [("decode", [0, 1], None)]
+    assert list(core.batch_sizes) == [1, 1, 1] and core.costs.seconds == {}  # mixed passes price nothing
 
 
 def test_a_request_ends_with_its_scripted_tokens_and_frees_its_slot(core):

@@ -17,7 +17,7 @@ PROMPTS = ["Say hi.", "List three colors, then list them again.", "What is 2+2?"
 PASS_S = 0.01  # what a target pass costs on a test's fake clock, whatever its shape
 
 
-def _pass_logits(gen: Generator, prompts: list[list[int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _pass_logits(gen: Generator, prompts: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Prefill each prompt alone in its slot, then one batched 3-token chain pass over all slots vs the
     same pass per slot alone; returns (batched logits, single logits)."""
     from specrt.runtime.sequence import Pass
@@ -29,8 +29,9 @@ def _pass_logits(gen: Generator, prompts: list[list[int]]) -> tuple[np.ndarray, 
         run([Pass(np.asarray(ids, np.int64), 0, Tree.chain(n - 1), np.array([n - 1]))], b)
         plans.append(Pass(np.asarray([ids[-1], 11, 12][: 1 + b % 3], np.int64), n - 1, Tree.chain(b % 3),
                           np.arange(1 + b % 3)))
-    batched = run(plans, 0)["logits"].copy()
-    single = [run([p], b)["logits"][0].copy() for b, p in enumerate(plans)]
+    batched = run(plans, 0)
+    batched = [batched.of(b)["logits"][0].copy() for b in range(len(plans))]
+    single = [run([p], b).of(0)["logits"][0].copy() for b, p in enumerate(plans)]
     return batched, single
 
 
@@ -44,7 +45,7 @@ def test_batched_pass_equals_single_passes(which, tiny_bundle, real_bundle):
     batched, single = _pass_logits(gen, prompts)
     for b, s in enumerate(single):
         m = s.shape[0]
-        assert np.array_equal(batched[b, :m], s), (b, float(np.abs(batched[b, :m] - s).max()))
+        assert np.array_equal(batched[b][:m], s), (b, float(np.abs(batched[b][:m] - s).max()))
 
 
 @pytest.mark.parametrize("drafter", ["plain", "ngram", "draft"])

@@ -144,3 +144,25 @@ def test_logit_bias_is_exact_under_speculation(tiny_bundle, tiny_reference, bias
         assert set(out) == {target}
     else:
         assert target not in out and out != plain
+
+
+def test_on_native_a_prompt_chunk_rides_in_the_decode_pass_and_stays_exact(trained_int4_bundle):
+    """Ragged passes (native): a long prompt's chunks run inside the decoding stream's passes, not as passes
+    of their own, and both texts equal single-request plain decoding."""
+    bundle = trained_int4_bundle
+    gen, log = Generator(bundle, drafter="plain", max_seq_len=512, slots=2, backend="native"), []
+    scheduler = Scheduler(gen, runner=_traced(gen, log))
+    assert scheduler.core.mix_chunks
+    short = gen.tokenizer.encode_prompt("Name three colors.")
+    long = gen.tokenizer.encode_prompt(" ".join([PROMPT] * 6))
+    assert len(long) > 2 * sequence.PREFILL_CHUNK
+    a = scheduler.submit(short, 40)
+    scheduler.step()
+    b = scheduler.submit(long, 8)
+    _drain(scheduler)
+    mixed = [slots for kind, slots, _ in log if kind == "decode" and slots == (0, 1)]
+    assert len(mixed) >= -(-len(long) // sequence.PREFILL_CHUNK)  # every chunk of b rode beside a's row
+    assert not [kind for kind, _, _ in log[1:] if kind == "prefill"]  # none ran alone once a decoded
+    alone = Generator(bundle, drafter="plain", max_seq_len=512, backend="native")
+    assert a.wait().token_ids == alone.generate_ids(short, 40).token_ids
+    assert b.wait().token_ids == alone.generate_ids(long, 8).token_ids

@@ -188,6 +188,19 @@ pool.barrier();
 pool.barrier();
 }
 
+// Where each sequence's rows sit in a pass: sequence b's rows are [start[b], start[b+1]) of the M rows
+// (T_b = start[b+1] - start[b], 0 for a slot in the range with nothing to run), its logits rows
+// [rstart[b], rstart[b+1]) of the Rt, its tree mask T_b x T_b at mask + mstart[b]. A padded pass (spn_pass)
+// is the layout where every T_b = T and every sequence asks for R rows.
+struct Layout {
+  std::vector<int> start, rstart, seq, rseq;
+  std::vector<size_t> mstart;
+  int M = 0, Rt = 0, maxT = 0;
+
+  // T[b] rows and R[b] logits rows of each of B sequences; false (and g_error) when they do not add up.
+  bool set(int B, const int64_t* T, const int64_t* R);
+};
+
 struct PassArgs {
   int B, T;
   const int64_t* ids;
@@ -204,18 +217,20 @@ struct PassArgs {
   float* aux;
   const float* hidden_in;  // a feature layer's feature input [B·T, H] (spn_feature_pass); null for a decoder
   const float* aux_in;     // … or the target's tapped rows [B·T, fuse.K], fused into it first; null otherwise
+  const Layout* lay;       // the rows of each sequence (T and R above: the longest window, the most logits rows)
 };
 
 // Scratch for a pass of these arguments, grown to the largest pass seen.
 static void reserve(Model& m, const PassArgs& p, int max_k) {
-  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d, nqkv = (m.nh + 2 * m.kvh) * m.d;
+  const Layout& lay = *p.lay;
+  const int M = lay.M, H = m.H, nq = m.nh * m.d, nqkv = (m.nh + 2 * m.kvh) * m.d;
   m.x.resize(static_cast<size_t>(M) * H);
   m.h.resize(static_cast<size_t>(M) * H);
   m.qkv.resize(static_cast<size_t>(M) * nqkv);
   m.attn.resize(static_cast<size_t>(M) * nq);
   m.gu.resize(static_cast<size_t>(M) * 2 * m.I);
   m.act.resize(static_cast<size_t>(M) * m.I);
-  m.rows.resize(static_cast<size_t>(p.B) * p.R * H);
+  m.rows.resize(static_cast<size_t>(lay.Rt) * H);
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
   // attention scratch per thread: a part of a group holds at most T * (nh / kvh) queries
@@ -227,7 +242,7 @@ static void reserve(Model& m, const PassArgs& p, int max_k) {
   m.att_n.resize(q_slots);
   m.extra.resize(static_cast<size_t>(m.threads) * p.T * p.T);
   m.extra_n.resize(static_cast<size_t>(m.threads) * p.T);
-  m.qa.reserve(M > p.B * p.R ? M : p.B * p.R, max_k);
+  m.qa.reserve(M > lay.Rt ? M : lay.Rt, max_k);
 }
 
 // Layer l after its input norm: q|k|v from `in` (M rows, K = the projection's, `ldin` apart), rotary, the new
@@ -236,7 +251,8 @@ static void reserve(Model& m, const PassArgs& p, int max_k) {
 static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, int ldin, int tid, int nt,
                           const Ops& ops) {
   Pool& pool = *m.pool;
-  const int M = p.B * p.T, H = m.H, d = m.d, nq = m.nh * d, nqkv = (m.nh + 2 * m.kvh) * d;
+  const Layout& lay = *p.lay;
+  const int M = lay.M, H = m.H, d = m.d, nq = m.nh * d, nqkv = (m.nh + 2 * m.kvh) * d;
   const int groups = m.nh / m.kvh;
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
@@ -247,7 +263,7 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
   float* kc = p.kv[2 * l];
   float* vc = p.kv[2 * l + 1];
   for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
-    int b = r / p.T, t = r % p.T;
+    const int b = lay.seq[r], t = r - lay.start[b];
     float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
     const int64_t at = p.pos[r];
     ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
@@ -263,12 +279,12 @@ pool.barrier();
      // the window) read its cache rows together; a group is split in parts where there are fewer groups than
      // twice the threads, so one-row passes still keep every thread busy. A query computes the same values
      // whichever part it is in (Ops::attend_many).
-    const int per_group = p.T * groups, n_groups = p.B * m.kvh;
+    const int max_group = p.T * groups, n_groups = p.B * m.kvh;
     const int parts = n_groups >= 2 * nt ? 1 : (2 * nt + n_groups - 1) / n_groups;
     const int lds = max_past + p.T + 1;
     int ulo, uhi;
     share(n_groups * parts, tid, nt, ulo, uhi);
-    const size_t base = static_cast<size_t>(tid) * per_group;
+    const size_t base = static_cast<size_t>(tid) * max_group;
     float* scores = m.scores.data() + base * lds;
     const float** qs = m.att_q.data() + base;
     float** outs = m.att_out.data() + base;
@@ -279,12 +295,14 @@ pool.barrier();
     int last_b = -1;
     for (int unit = ulo; unit < uhi; ++unit) {
       const int g = unit / parts, part = unit % parts, b = g / m.kvh, kh = g % m.kvh;
+      const int Tb = lay.start[b + 1] - lay.start[b], per_group = Tb * groups;
+      if (Tb == 0) continue;  // a slot in the range with no rows this pass
       const int prefix = static_cast<int>(p.past[b]);
       if (b != last_b) {  // each row's visible window rows (a tree row's ancestors), ascending
-        for (int t = 0; t < p.T; ++t) {
-          const uint8_t* mrow = p.mask + (static_cast<size_t>(b) * p.T + t) * p.T;
+        for (int t = 0; t < Tb; ++t) {
+          const uint8_t* mrow = p.mask + lay.mstart[b] + static_cast<size_t>(t) * Tb;
           int n = 0;
-          for (int u = 0; u < p.T; ++u)
+          for (int u = 0; u < Tb; ++u)
             if (mrow[u]) rows_extra[t * p.T + n++] = prefix + u;
           rows_n[t] = n;
         }
@@ -293,7 +311,7 @@ pool.barrier();
       const int qlo = static_cast<int>(static_cast<long long>(per_group) * part / parts);
       const int qhi = static_cast<int>(static_cast<long long>(per_group) * (part + 1) / parts);
       for (int i = qlo; i < qhi; ++i) {
-        const int t = i / groups, qh = kh * groups + i % groups, r = b * p.T + t;
+        const int t = i / groups, qh = kh * groups + i % groups, r = lay.start[b] + t;
         qs[i - qlo] = m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d;
         outs[i - qlo] = m.attn.data() + static_cast<size_t>(r) * nq + qh * d;
         extras[i - qlo] = rows_extra + t * p.T;
@@ -326,18 +344,19 @@ static void head_rows(Model& m, const PassArgs& p, const float* normed, int tid,
   Pool& pool = *m.pool;
   const int H = m.H;
   int glo, ghi;
-  share(p.B * p.R, tid, nt, glo, ghi);
+  const Layout& lay = *p.lay;
+  share(lay.Rt, tid, nt, glo, ghi);
   for (int i = glo; i < ghi; ++i) {
-    int b = i / p.R;
+    const int b = lay.rseq[i];
     std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
-                normed + (static_cast<size_t>(b) * p.T + p.logits_index[i]) * H, H * sizeof(float));
+                normed + (static_cast<size_t>(lay.start[b]) + p.logits_index[i]) * H, H * sizeof(float));
   }
 pool.barrier();
-  linear(m, m.head, m.rows.data(), p.B * p.R, H, p.logits, tid, nt, ops);
+  linear(m, m.head, m.rows.data(), lay.Rt, H, p.logits, tid, nt, ops);
 }
 
 static void run_pass(Model& m, const PassArgs& p) {
-  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d;
+  const int M = p.lay->M, H = m.H, nq = m.nh * m.d;
   const int ntaps = static_cast<int>(m.taps.size());
   const Ops ops = ops_for(m.isa);
   int max_k = H > m.I ? H : m.I;
@@ -378,7 +397,7 @@ pool.barrier();
 // norm(feature)) (2H wide), the residual is the feature; `hidden` gets the layer output, the head reads its
 // norm (the final norm). Its arithmetic decides only what is proposed: the target's verify decides every token.
 static void run_feature_pass(Model& m, const PassArgs& p) {
-  const int M = p.B * p.T, H = m.H, nq = m.nh * m.d;
+  const int M = p.lay->M, H = m.H, nq = m.nh * m.d;
   const Ops ops = ops_for(m.isa);
   int max_k = 2 * H > m.I ? 2 * H : m.I;
   max_k = max_k > nq ? max_k : nq;
@@ -657,7 +676,8 @@ int spn_set_taps(void* h, int n, const int* layers) {
 
 static bool check_args(const Model& m, const PassArgs& p) {
   if (!complete(m) ||
-      !check(p.B >= 1 && p.T >= 1 && p.R >= 1 && p.cap >= 1, "a pass needs at least one sequence, row and output") ||
+      !check(p.B >= 1 && p.lay->M >= 1 && p.lay->Rt >= 1 && p.cap >= 1,
+             "a pass needs at least one sequence, row and output") ||
       !check(p.ids && p.pos && p.past && p.mask && p.logits_index && p.kv && p.logits && p.hidden,
              "a pass buffer is missing") ||
       !check(p.B == 1 || p.slot_stride >= static_cast<int64_t>(m.kvh) * p.cap * m.d,
@@ -665,15 +685,44 @@ static bool check_args(const Model& m, const PassArgs& p) {
     return false;
   for (int i = 0; i < 2 * m.L; ++i)
     if (!check(p.kv[i] != nullptr, "KV buffer of layer " + std::to_string(i / 2) + " missing")) return false;
-  for (int r = 0; r < p.B * p.T; ++r) {
+  const Layout& lay = *p.lay;
+  for (int r = 0; r < lay.M; ++r) {
     if (!check(p.ids[r] >= 0 && p.ids[r] < m.V, "input_ids out of the vocabulary") ||
         !check(p.pos[r] >= 0 && p.pos[r] < m.rope_rows, "position_ids past the rotary table"))
       return false;
   }
   for (int b = 0; b < p.B; ++b)
-    if (!check(p.past[b] >= 0 && p.past[b] + p.T <= p.cap, "KV capacity exceeded")) return false;
-  for (int i = 0; i < p.B * p.R; ++i)
-    if (!check(p.logits_index[i] >= 0 && p.logits_index[i] < p.T, "logits_index outside the window")) return false;
+    if (!check(p.past[b] >= 0 && p.past[b] + (lay.start[b + 1] - lay.start[b]) <= p.cap, "KV capacity exceeded"))
+      return false;
+  for (int i = 0; i < lay.Rt; ++i) {
+    const int b = lay.rseq[i];
+    if (!check(p.logits_index[i] >= 0 && p.logits_index[i] < lay.start[b + 1] - lay.start[b],
+               "logits_index outside the window"))
+      return false;
+  }
+  return true;
+}
+
+bool Layout::set(int B, const int64_t* T, const int64_t* R) {
+  if (!check(B >= 1 && T != nullptr && R != nullptr, "a pass needs at least one sequence")) return false;
+  start.assign(B + 1, 0), rstart.assign(B + 1, 0), mstart.assign(B, 0);
+  int64_t rows = 0, outs = 0, masks = 0, longest = 0;
+  for (int b = 0; b < B; ++b) {
+    if (!check(T[b] >= 0 && R[b] >= 0 && (R[b] == 0 || T[b] > 0), "sequence " + std::to_string(b) + " has " +
+               std::to_string(T[b]) + " rows and " + std::to_string(R[b]) + " logits rows"))
+      return false;
+    mstart[b] = static_cast<size_t>(masks);
+    rows += T[b], outs += R[b], masks += T[b] * T[b];
+    longest = T[b] > longest ? T[b] : longest;
+    if (!check(rows <= (1 << 24) && outs <= (1 << 24), "a pass of more than 2^24 rows")) return false;
+    start[b + 1] = static_cast<int>(rows), rstart[b + 1] = static_cast<int>(outs);
+  }
+  M = static_cast<int>(rows), Rt = static_cast<int>(outs), maxT = static_cast<int>(longest);
+  seq.resize(M), rseq.resize(Rt);
+  for (int b = 0; b < B; ++b) {
+    for (int r = start[b]; r < start[b + 1]; ++r) seq[r] = b;
+    for (int i = rstart[b]; i < rstart[b + 1]; ++i) rseq[i] = b;
+  }
   return true;
 }
 
@@ -695,9 +744,42 @@ int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, cons
   if (!check(!m->feature, "a feature layer runs spn_feature_pass") ||
       !check(m->taps.empty() || aux != nullptr, "aux_hidden_states buffer missing"))
     return 1;
+  if (!check(B >= 1 && T >= 1 && R >= 1, "a pass needs at least one sequence, row and output")) return 1;
+  Layout lay;
+  try {
+    const std::vector<int64_t> Ts(B, T), Rs(B, R);
+    if (!lay.set(B, Ts.data(), Rs.data())) return 1;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return 1;
+  }
   return guarded(run_pass, *m,
                  PassArgs{B, T, ids, pos, past, mask, R, logits_index, kv, slot_stride, cap, logits, hidden, aux,
-                          nullptr, nullptr});
+                          nullptr, nullptr, &lay});
+}
+
+// A ragged pass over B consecutive KV slots: sequence b runs rows[b] rows (0: nothing this pass) and asks for
+// nlogits[b] logits rows. ids, pos: the rows of every sequence, one after the other; mask: each sequence's
+// rows[b] x rows[b] tree mask, one after the other; logits_index: each sequence's rows (within its own
+// window), one after the other. logits [Σ nlogits, V], hidden [Σ rows, H], aux [Σ rows, taps·H]. Each row
+// is computed as in a padded pass or alone (the same per-row arithmetic), without the padding rows.
+int spn_pass_ragged(void* h, int B, const int64_t* rows, const int64_t* nlogits, const int64_t* ids, const int64_t* pos,
+                    const int64_t* past, const uint8_t* mask, const int64_t* logits_index, float* const* kv,
+                    int64_t slot_stride, int cap, float* logits, float* hidden, float* aux) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(!m->feature, "a feature layer runs spn_feature_pass") ||
+      !check(m->taps.empty() || aux != nullptr, "aux_hidden_states buffer missing"))
+    return 1;
+  Layout lay;
+  try {
+    if (!lay.set(B, rows, nlogits)) return 1;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return 1;
+  }
+  return guarded(run_pass, *m,
+                 PassArgs{B, lay.maxT, ids, pos, past, mask, 0, logits_index, kv, slot_stride, cap, logits, hidden,
+                          aux, nullptr, nullptr, &lay});
 }
 
 // One pass of an EAGLE-3 drafter layer (a model of one layer, with its hidden norm set) over one sequence's
@@ -715,9 +797,18 @@ int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in,
              std::to_string(aux_len) + " tapped values for " + std::to_string(T) + " rows of " +
                  std::to_string(m->fuse.K)))
     return 1;
+  if (!check(T >= 1 && R >= 1, "a pass needs at least one row and output")) return 1;
+  Layout lay;
+  try {
+    const int64_t Ts[1] = {T}, Rs[1] = {R};
+    if (!lay.set(1, Ts, Rs)) return 1;
+  } catch (const std::bad_alloc&) {
+    g_error = "out of memory";
+    return 1;
+  }
   return guarded(run_feature_pass, *m,
                  PassArgs{1, T, ids, pos, past, mask, R, logits_index, kv, 0, cap, logits, hidden, nullptr,
-                          hidden_in, aux_in});
+                          hidden_in, aux_in, &lay});
 }
 
 // One block-quantized product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.
