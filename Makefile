@@ -178,7 +178,9 @@ load-serve: build
 		--max-tokens 64 --drafter $$d --threads $(THREADS) --json $(SPECRT_HOME)/bench/load-$$d.json || exit 1; done
 
 # vLLM's CPU server and `specrt serve` under the same load, one after the other (make setup-peers first):
-# concurrency 1/4/16/32, streamed and not; tok/s, p50/p95, time to first token, texts equal to single-request.
+# 48 distinct held-out prompts at concurrency 1/4/16/32, streamed and not; tok/s, p50/p95 latency, TTFT and
+# inter-token latency, texts equal to single-request.
 bench-serve: build setup-peers
 	$(SPECRT) bench-serve $(BUNDLE) --peer vllm --backend $(SERVE_BACKEND) --drafter plain --threads $(THREADS) \
-		--concurrency 1,4,16,32 --requests 32 --max-tokens 128 --json $(SPECRT_HOME)/bench/serve-vllm.json
+		--concurrency 1,4,16,32 --prompts heldout --requests 48 --max-tokens 128 \
+		--json $(SPECRT_HOME)/bench/serve-vllm.json

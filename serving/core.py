@@ -158,7 +158,7 @@ class SchedulerCore:
         """`mix_chunks`: a prompt chunk rides in the decode pass (default: where the target runs ragged
         passes, which need no padding rows for it: native); else it runs as a pass of its own."""
         self.gen = gen
-        self.mix_chunks = hasattr(gen.model.decoder, "run_ragged") if mix_chunks is None else mix_chunks
+        self.mix_chunks = gen.model.ragged if mix_chunks is None else mix_chunks
         self.slots = [self._new_slot(i) for i in range(n_slots)]
         self.batch_windows = backend_entry(gen.backend).batch_windows
         self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()

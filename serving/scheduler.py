@@ -55,6 +55,7 @@ class Scheduler:
         self.drafter_name = gen.drafter_label
         self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
         self.core = SchedulerCore(gen, min(gen.slots, max_slots or gen.slots))
+        self.prefaulted = gen.model.prefault()  # the KV pages now, not in the first requests' passes
         self.runner: Runner = runner or (lambda bp: gen.model.run_batch(bp.windows, bp.start))
         self.waiting: deque[Handle] = deque()
         self._pending = 0  # requests submitted and not ended (waiting or holding a slot), under the lock

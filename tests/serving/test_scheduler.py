@@ -226,3 +226,14 @@ def test_alive_follows_the_scheduler_thread(tiny_bundle):
     finally:
         scheduler.stop()
     assert not scheduler.alive
+
+
+def test_a_scheduler_writes_every_kv_page_before_any_request(tiny_bundle):
+    """KV buffers are allocated lazily: the server writes all of them at start (every element: the marks
+    below are gone), so no request's pass pays for the first touch of a page."""
+    gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=4)
+    for buf in gen.target.kv:
+        buf[...] = 1.0
+    scheduler = Scheduler(gen)
+    assert scheduler.prefaulted == sum(buf.nbytes for buf in gen.target.kv) > 0
+    assert all(not buf.any() for buf in gen.target.kv)
