@@ -251,9 +251,13 @@ class SchedulerCore:
         """The decode pass with the prompt chunk beside its rows, over the slot range both span."""
         at = {b: decode.windows[b - decode.start] for b in decode.decoding}
         at[chunk.chunk] = chunk.windows[0]
+        return self._spanning(at, chunk.chunk, chunk.final)
+
+    def _spanning(self, at: dict[int, Pass], chunk: int | None = None, final: bool = False) -> BatchPass:
+        """One pass over the KV slot range the windows `at` (by slot) span; an idle slot's placeholder between."""
         lo, hi = min(at), max(at) + 1
         return BatchPass(lo, [at[b] if b in at else self.slots[b].idle_window() for b in range(lo, hi)],
-                         sorted(at), chunk.chunk, chunk.final)
+                         sorted(at), chunk, final)
 
     def _policy(self, live: list[Slot]) -> str | None:
         """How several decoding sequences share this step (None: one, or none, decodes)."""
@@ -279,11 +283,7 @@ class SchedulerCore:
                 events.append(self._release(slot))
             else:
                 windows[slot.index] = p
-        if not windows:
-            return None
-        lo, hi = min(windows), max(windows) + 1
-        return BatchPass(lo, [windows[b] if b in windows else self.slots[b].idle_window() for b in range(lo, hi)],
-                         sorted(windows))
+        return self._spanning(windows) if windows else None
 
     # ── apply ────────────────────────────────────────────────────────────────────────────────
     def apply(self, plan: StepPlan, outputs: list[PassOutput]) -> list[Event]:

@@ -149,8 +149,7 @@ class NativeDecoder(Decoder):
                 or mask.shape != (int((rows * rows).sum()),) or index.shape != (rt,) or m < 1 or rt < 1
                 or (rows < 0).any() or (nlogits < 0).any()):
             raise SpecrtError(f"internal: a ragged pass over slots {start}..{stop - 1} with inconsistent sizes")
-        for i in range(b):
-            self.check_rows(past[i : i + 1], int(rows[i]))
+        self.check_rows(past + rows, 0)  # each slot's last row
         if int(pos.max()) >= self.rope_rows:
             raise SpecrtError(f"position {int(pos.max())} is past this decoder's rotary table ({self.rope_rows} rows)")
         cfg = self.cfg
