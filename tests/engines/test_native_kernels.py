@@ -75,6 +75,9 @@ def rows():
     x[3] *= 40.0  # an outlier row: per-row scales keep it from touching its neighbours
     x[5, :7] = 0.0  # a block partly zero and one wholly zero
     x[6, :32] = 0.0
+    x[7, 32:64] = np.arange(32) - 15.5  # with absmax 127, values that fall halfway: round to nearest even
+    x[7, 32] = 127.0
+    x[8, 64:96] *= 1e-30  # a block of subnormal products
     return x
 
 

@@ -108,16 +108,18 @@ struct ActBuffer : QAct {
     free(scale);
     free(corr);
     free(lo_sum);
+    free(qsum);
   }
   void reserve(int m, int k) {
     M = m, blocks = (k + kBlock - 1) / kBlock;
     size_t need = static_cast<size_t>(m) * blocks;
     if (need <= cap) return;
-    free(q), free(scale), free(corr), free(lo_sum);
+    free(q), free(scale), free(corr), free(lo_sum), free(qsum);
     q = static_cast<int8_t*>(aligned(need * kBlock));
     scale = static_cast<float*>(aligned(need * sizeof(float)));
     corr = static_cast<int32_t*>(aligned(need * sizeof(int32_t)));
     lo_sum = static_cast<int32_t*>(aligned(need * sizeof(int32_t)));
+    qsum = static_cast<float*>(aligned(need * sizeof(float)));
     cap = need;
   }
 };

@@ -145,6 +145,57 @@ static void attend_many_avx2(const float* const* q, int nq, const float* kc, con
   }
 }
 
+// quantize_row on 8 lanes: the block's absmax (a maximum is exact in any order; _mm256_max_ps(f, m) is the
+// reference's `f > m ? f : m`, NaN skipped), the same product, rounding and clamps on each value, and integer
+// sums; a block that runs past K's end takes the reference's loop.
+static void quantize_row_avx2(const float* x, int K, QAct& a, int row) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), round = _mm256_set1_ps(kRound);
+  const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int full = K / kBlock;
+  for (int b = 0; b < full; ++b) {
+    const float* xb = x + static_cast<size_t>(b) * kBlock;
+    __m256 v[4], mv = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      mv = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), mv);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float m = _mm_cvtss_f32(m4);
+    int8_t* q = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
+    int32_t sum = 0, lo = 0;
+    if (m > 0.0f) {
+      const __m256 inv = _mm256_set1_ps(127.0f / m);
+      __m256i qi[4];
+      for (int c = 0; c < 4; ++c) {
+        __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[c], inv), round), round);
+        r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
+        r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
+        r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // a NaN input gives 0
+        qi[c] = _mm256_cvttps_epi32(r);
+      }
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(qi[0], qi[1]));
+      for (int l = 0; l < 8; ++l) lo += lanes[l];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(qi[2], qi[3]));
+      sum = lo;
+      for (int l = 0; l < 8; ++l) sum += lanes[l];
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+    }
+    a.scale[row * a.blocks + b] = m / 127.0f;
+    a.corr[row * a.blocks + b] = 8 * sum;
+    a.lo_sum[row * a.blocks + b] = lo;
+    a.qsum[row * a.blocks + b] = (m / 127.0f) * static_cast<float>(sum);
+  }
+  for (int b = full; b < a.blocks; ++b) quantize_block(x, K, a, row, b);
+}
+
 static void silu_mul_avx2(const float* gu, int I, float* out) {
   int i = 0;
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -162,7 +213,7 @@ static void silu_mul_avx2(const float* gu, int I, float* out) {
 }  // namespace avx2
 
 Ops avx2_ops() {
-  return Ops{avx2::rmsnorm_row, avx2::quantize_row, avx2::rope_row, avx2::attend_many_avx2,
+  return Ops{avx2::rmsnorm_row, avx2::quantize_row_avx2, avx2::rope_row, avx2::attend_many_avx2,
              avx2::silu_mul_avx2, avx2::add_row};
 }
 

@@ -26,13 +26,13 @@ inline int weight_at(const QWeight& w, int t, int b, int col, int k) {  // k: 0.
 // One block's step of the float sequence of format `format` (w4a8.h); the vector kernels run the same steps.
 // isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; wm: the minimum (kQ4Min) or the
 // upper half's scale (kQ8x16).
-inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, float ws, float wm, float as,
-                        float acc) {
+inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, float qsum, float ws, float wm,
+                        float as, float acc) {
   const int32_t isum = isum_lo + isum_hi;
   switch (format) {
     case kQ4Min:
       acc = std::fma(static_cast<float>(isum), ws * as, acc);
-      return std::fma(static_cast<float>(corr / 8), wm * as, acc);
+      return std::fma(wm, qsum, acc);
     case kQ8:
       return std::fma(static_cast<float>(isum), ws * as, acc);
     case kQ8x16:
@@ -56,7 +56,7 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
           for (int k = 0; k < kBlock; ++k) isum[k / 16] += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
           size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col;
           const float* second = w.format == kQ8x16 ? w.hi_scales : w.mins;
-          acc = block_step(w.format, isum[0], isum[1], a.corr[r * a.blocks + b], w.scales[at],
+          acc = block_step(w.format, isum[0], isum[1], a.corr[r * a.blocks + b], a.qsum[r * a.blocks + b], w.scales[at],
                            second ? second[at] : 0.0f, a.scale[r * a.blocks + b], acc);
         }
         y[static_cast<size_t>(r) * ldy + n] = w.bias ? acc + w.bias[n] : acc;
@@ -149,11 +149,14 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
       lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
       hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
-      if (F == kQ4Min || F == kQ8x16) {
-        __m256 xl = F == kQ4Min ? _mm256_set1_ps(static_cast<float>(corr / 8)) : _mm256_cvtepi32_ps(sl2);
-        __m256 xh = F == kQ4Min ? xl : _mm256_cvtepi32_ps(sh2);
-        lo[r] = _mm256_fmadd_ps(xl, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
-        hi[r] = _mm256_fmadd_ps(xh, _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
+      if (F == kQ4Min) {  // the minimums times the activations' scaled sum: one product per row and block
+        const __m256 qsum = _mm256_set1_ps(a.qsum[row * a.blocks + b]);
+        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), qsum, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), qsum, hi[r]);
+      }
+      if (F == kQ8x16) {
+        lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl2), _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh2), _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
       }
     }
   }
@@ -230,9 +233,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         for (int g = 0; g < 8; ++g) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(wv[g]), "m"(qa[g]));
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, as), acc[r]);
-      if (F == kQ4Min)
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(corr / 8)),
-                                 _mm512_mul_ps(_mm512_loadu_ps(wm + b * kTileN), as), acc[r]);
+      if (F == kQ4Min)  // the minimums times the activations' scaled sum: one product per row and block
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
     }
   }
   alignas(64) float out[kTileN];
@@ -245,16 +247,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
 using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 
 #define SPN_TILES(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, fn<5, F>, fn<6, F>, fn<7, F>, fn<8, F>}
-const TileFn kAvx2Tiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
-                                                       SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16)};
-const TileFn kVnniTiles[kFormatCount][kRowTile + 1] = {SPN_TILES(tile_vnni, kQ4), SPN_TILES(tile_vnni, kQ4Min),
-                                                       SPN_TILES(tile_vnni, kQ8), SPN_TILES(tile_vnni, kQ8x16)};
+#define SPN_TILES16(fn, F)                                                                                          \
+  {nullptr,    fn<1, F>,  fn<2, F>,  fn<3, F>,  fn<4, F>,  fn<5, F>,  fn<6, F>,  fn<7, F>, fn<8, F>,                \
+   fn<9, F>,   fn<10, F>, fn<11, F>, fn<12, F>, fn<13, F>, fn<14, F>, fn<15, F>, fn<16, F>}
+// AVX2 has 16 vector registers: 8 rows' two accumulators fill them; AVX-512 has 32, room for 16 rows' one
+constexpr int kAvx2Rows = 8, kVnniRows = 16;
+const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
+                                                        SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16)};
+const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
+    SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
+    SPN_TILES16(tile_vnni, kQ8x16)};
 #undef SPN_TILES
+#undef SPN_TILES16
 
-void gemm_tiles(const TileFn* fns, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
+// Each tile's rows in groups of up to `per` (the table's largest), one unpacked weight block shared by a group.
+void gemm_tiles(const TileFn* fns, int per, const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
   for (int t = t0; t < t1; ++t) {
-    for (int r0 = 0; r0 < a.M; r0 += kRowTile) {
-      int rows = a.M - r0 < kRowTile ? a.M - r0 : kRowTile;
+    for (int r0 = 0; r0 < a.M; r0 += per) {
+      int rows = a.M - r0 < per ? a.M - r0 : per;
       fns[rows](w, a, r0, t, y, ldy);
     }
   }
@@ -284,10 +294,10 @@ void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, i
   switch (isa) {
 #ifdef SPN_X86
     case kAvx2:
-      gemm_tiles(kAvx2Tiles[w.format], w, a, y, ldy, t0, t1);
+      gemm_tiles(kAvx2Tiles[w.format], kAvx2Rows, w, a, y, ldy, t0, t1);
       return;
     case kAvx512Vnni:
-      gemm_tiles(kVnniTiles[w.format], w, a, y, ldy, t0, t1);
+      gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
       return;
 #endif
     default:

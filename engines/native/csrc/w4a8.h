@@ -7,7 +7,7 @@
 //
 // Batch invariance by construction: every output y[r][n] is, per format,
 //   kQ4     acc = fma(float(isum_b - 8 * asum_b), ws * as, acc)
-//   kQ4Min  acc = fma(float(isum_b), ws * as, acc);  acc = fma(float(asum_b), wm * as, acc)
+//   kQ4Min  acc = fma(float(isum_b), ws * as, acc);  acc = fma(wm, as * float(asum_b), acc)
 //   kQ8     acc = fma(float(isum_b), ws * as, acc)
 //   kQ8x16  acc = fma(float(isum_lo_b), ws * as, acc);  acc = fma(float(isum_hi_b), wh * as, acc)
 // over the blocks b in ascending order from acc = 0, where ws / wm / wh are the weights' scale / minimum / upper
@@ -58,6 +58,7 @@ struct QAct {
   float* scale = nullptr;     // M * blocks
   int32_t* corr = nullptr;    // M * blocks: 8 * sum of the block's q (the weights' zero point)
   int32_t* lo_sum = nullptr;  // M * blocks: sum of the block's q over inputs 0..15 (kQ8x16's lower half)
+  float* qsum = nullptr;      // M * blocks: scale * float(sum of the block's q) (kQ4Min's minimum term)
 };
 
 // Columns of tiles [t0, t1) of y[M, ldy] = A · W (+ bias), on kernel `isa`.
