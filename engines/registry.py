@@ -60,10 +60,10 @@ def _trt(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int
 
 
 def _native(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
-            kernel: str = "auto") -> Decoder:
+            kernel: str = "auto", kv_dtype: str = "fp32") -> Decoder:
     from specrt.engines.native.runner import NativeDecoder
 
-    return NativeDecoder(path, cfg, capacity, threads, batch, spin, kernel=kernel)
+    return NativeDecoder(path, cfg, capacity, threads, batch, spin, kernel=kernel, kv_dtype=kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -196,9 +196,11 @@ def graph_path(backend: str, bundle: Path, manifest, role: str, batched: bool = 
 
 
 def open_decoder(backend: str, bundle: Path, manifest, role: str, capacity: int, threads: int = 2,
-                 batch: int = 1) -> Decoder:
-    """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it."""
+                 batch: int = 1, **given) -> Decoder:
+    """The decoder for graph `role` of a bundle on `backend`, with the options the bundle records for it and
+    the backend options `given` (make_decoder refuses one the backend does not take)."""
     entry = backend_entry(backend)
     options = entry.bundle_options(bundle, manifest, role, capacity) if entry.bundle_options else {}
+    options.update(given)
     return make_decoder(backend, graph_path(backend, bundle, manifest, role, batch > 1), manifest.graphs[role].config,
                         capacity, threads, batch, **options)

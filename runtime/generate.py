@@ -52,7 +52,7 @@ class Generator:
                  acceptance: str | None = None, adaptive: bool = False, slots: int = 1, backend: str = "auto",
                  exec_mode: str = "auto", allow_inexact: bool = False, verify: bool = False,
                  auto_candidates: Iterable[str] | None = None, clock: Clock = time.perf_counter,
-                 costs: CostCurve | str | None = "auto", **drafter_options):
+                 costs: CostCurve | str | None = "auto", kv_dtype: str = "auto", **drafter_options):
         """`drafter` "auto": each request runs the candidate drafter (`auto_candidates`, default every
         drafter the bundle has) whose measured pay-off is highest, with adaptive depth, or plain decoding.
 
@@ -69,14 +69,19 @@ class Generator:
         from by (runtime/clock.py; a test's `FakeClock`). `costs`: the verify cost curve that adaptive depth and
         the default dynamic-tree shape price passes by (runtime/costs.py): "auto" measures this machine's
         (cached) where `clock` is the real one; a test's clock scripts every second, so it gets none unless
-        it gives a `CostCurve`; None: none (adaptive depth fits a line to the steps)."""
+        it gives a `CostCurve`; None: none (adaptive depth fits a line to the steps).
+
+        `kv_dtype`: the target's KV cache, fp32 or fp16 (native only: each key and value rounded to the
+        nearest half as it is written; plain and speculative decoding share that rounding, so they stay
+        bitwise equal); auto: fp16 where the backend holds it, else fp32."""
         self.clock = clock
         if costs == "auto":
             costs = "measure" if clock is time.perf_counter else None
         elif costs is not None and not isinstance(costs, CostCurve):
             raise SpecrtError(f"costs {costs!r}: give \"auto\", None or a CostCurve (runtime/costs.py)")
         self._costs = costs
-        self.model = TargetModel(bundle, max_seq_len, threads, backend, exec_mode, slots, allow_inexact, verify)
+        self.model = TargetModel(bundle, max_seq_len, threads, backend, exec_mode, slots, allow_inexact, verify,
+                                 kv_dtype)
         self.acceptance = acceptance
         self.state = self.new_state()  # slot 0's target state (`generate` and the scheduler's slot 0)
         self.auto_candidates = candidates(self.model, auto_candidates)

@@ -44,11 +44,30 @@ def kv_capacity(max_seq_len: int | None, cfg) -> int:
     return int(max_seq_len)
 
 
+# the backends whose KV cache can hold halves; `auto` picks fp16 on them (half the bytes attention streams per
+# pass, and half the memory per slot), fp32 elsewhere
+HALF_KV_BACKENDS = ("native",)
+KV_DTYPES = ("auto", "fp32", "fp16")
+
+
+def kv_cache_dtype(requested: str, backend: str) -> str:
+    """The KV cache's dtype on `backend` for --kv-dtype `requested`; a dtype the backend cannot hold is refused."""
+    if requested not in KV_DTYPES:
+        raise SpecrtError(f"--kv-dtype {requested!r}: choose one of {', '.join(KV_DTYPES)}")
+    if requested == "auto":
+        return "fp16" if backend in HALF_KV_BACKENDS else "fp32"
+    if requested == "fp16" and backend not in HALF_KV_BACKENDS:
+        raise SpecrtError(f"--kv-dtype fp16: the {backend} backend keeps its KV cache in fp32; fp16 runs on "
+                          f"--backend {' or '.join(HALF_KV_BACKENDS)} (or use --kv-dtype auto)")
+    return requested
+
+
 class TargetModel:
     """A bundle's target graph, ready to run: see Generator for the arguments."""
 
     def __init__(self, bundle: str | Path, max_seq_len: int | None = None, threads: int = 2, backend: str = "auto",
-                 exec_mode: str = "auto", slots: int = 1, allow_inexact: bool = False, verify: bool = False):
+                 exec_mode: str = "auto", slots: int = 1, allow_inexact: bool = False, verify: bool = False,
+                 kv_dtype: str = "auto"):
         self.bundle = Path(bundle)
         self.manifest = Manifest.load(self.bundle)
         verify_bundle(self.bundle, self.manifest, full=verify)
@@ -78,8 +97,10 @@ class TargetModel:
         if backend_entry(backend).pinned_capacity:  # engines built for `capacity` rows: the margin comes off it
             rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
         self.backend, self.threads = backend, threads
-        self.decoder = shaped(open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots),
-                              mode)
+        self.kv_dtype = kv_cache_dtype(kv_dtype, backend)
+        options = {"kv_dtype": self.kv_dtype} if backend in HALF_KV_BACKENDS else {}
+        self.decoder = shaped(open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots,
+                                           **options), mode)
 
     def cost_curve(self):
         """What a verify pass of n rows costs here (runtime/costs.py): this machine's cached curve, else

@@ -37,7 +37,7 @@ LIB_NAME = "libspecrt_native.so"
 # kernel name -> the library's code for it (csrc/w4a8.h Isa), fastest last; what each needs from the CPU
 KERNELS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
 MAX_THREADS = 1024  # csrc/model.cpp kMaxThreads: more is a mistake, not a machine
-NEEDS = {"scalar": "nothing", "avx2": "AVX2 and FMA", "avx512vnni": "AVX-512 F/BW/VL and AVX-512 VNNI"}
+NEEDS = {"scalar": "nothing", "avx2": "AVX2, FMA and F16C", "avx512vnni": "AVX-512 F/BW/VL, AVX-512 VNNI and F16C"}
 
 P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -52,6 +52,8 @@ SIGNATURES = {
     "spn_set_linear": (I32, [P, I32, I32, I32, I32, I32, P, I64, P, I64, P, I64, P, I64]),
     "spn_set_rope": (I32, [P, I32, I32, P, P]),
     "spn_set_taps": (I32, [P, I32, P]),
+    "spn_set_kv_half": (I32, [P, I32]),
+    "spn_to_half": (I32, [I32, P, I64, P]),
     "spn_pass": (I32, [P, I32, I32, P, P, P, P, I32, P, P, I64, I32, P, P, P]),
     "spn_pass_ragged": (I32, [P, I32, P, P, P, P, P, P, P, P, I64, I32, P, P, P]),
     "spn_feature_pass": (I32, [P, I32, P, P, P, I64, P, P, P, I32, P, P, I32, P, P]),

@@ -3,6 +3,9 @@ computed by one per-row arithmetic, so a pass over many rows gives each row bitw
 
 KV buffers are numpy arrays of the `ort` backend's layout ([batch, kv_heads, capacity, head_dim] per layer,
 key and value), written in place by the pass; `compact` moves accepted tree rows as the `ort` runner does.
+They hold float32, or float16 (`kv_dtype`): each key and value rounded to the nearest half when it is
+written, read back exactly, so a row's arithmetic still depends on that row alone; half the bytes for
+attention to read (it streams every sequence's cache in every layer) and for the cache to hold.
 Output buffers are reused across passes while nothing else refers to them (as engines/ort_cpu/runner.py).
 """
 
@@ -27,9 +30,14 @@ def check_threads(threads: int) -> None:
                           "more than this machine's CPUs only slow it: use --threads $(nproc) or fewer")
 
 
+KV_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
 class NativeDecoder(Decoder):
     def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1,
-                 spin: bool = True, kernel: str = "auto"):
+                 spin: bool = True, kernel: str = "auto", kv_dtype: str = "fp32"):
+        if kv_dtype not in KV_DTYPES:
+            raise SpecrtError(f"--kv-dtype {kv_dtype!r}: the native backend's KV cache is one of {', '.join(KV_DTYPES)}")
         if not Path(path).is_file():
             raise SpecrtError(f"ONNX graph {path} is missing: export the bundle again")
         check_threads(threads)
@@ -56,10 +64,12 @@ class NativeDecoder(Decoder):
         self.rope_rows = capacity + 64
         ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
         ok &= calls.set_taps(lib, h, self.taps)
+        ok &= lib.spn_set_kv_half(h, int(kv_dtype == "fp16")) == 0
         if not ok:
             raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.kv = [np.zeros(shape, np.float32) for _ in range(2 * cfg.num_layers)]
+        self.kv_dtype = kv_dtype
+        self.kv = [np.zeros(shape, KV_DTYPES[kv_dtype]) for _ in range(2 * cfg.num_layers)]
         self._slot_stride = cfg.num_kv_heads * capacity * cfg.head_dim
         self._kv_ptrs: dict[int, ctypes.Array] = {}
         self.slots = (0, batch)

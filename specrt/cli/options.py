@@ -82,6 +82,11 @@ def runtime_options(f):
                      "onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), ort-device (the "
                      "device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU; under native, "
                      "EAGLE-3 layers run on its kernels (SPECRT_DRAFTER_LAYERS)."),
+        click.option("--kv-dtype", type=click.Choice(["auto", "fp32", "fp16"]), default="auto", show_default=True,
+                     help="The target's KV cache: fp16 halves the bytes attention reads per pass and the memory "
+                     "per sequence (each key and value rounded to the nearest half as it is written; speculative "
+                     "output still equals plain output bitwise). auto: fp16 on the native backend, else fp32; "
+                     "fp16 runs on native only."),
         click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1, max=16), default=None,
                      help="Chain length when no --tree is given (default 5; the deepest draft with --adaptive)."),
         click.option("--adaptive/--fixed-depth", default=None,
@@ -139,7 +144,7 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
                    backend="auto", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
-                   suffix_store=None, suffix_min_prob=None):
+                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto"):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
     `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
@@ -158,7 +163,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
                      backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
-                     auto_candidates=auto_candidates.split(",") if auto_candidates else None,
+                     kv_dtype=kv_dtype, auto_candidates=auto_candidates.split(",") if auto_candidates else None,
                      **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob))
                         if v is not None})
 

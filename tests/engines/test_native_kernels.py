@@ -150,7 +150,7 @@ def test_a_forced_kernel_is_named_in_the_record_and_a_bad_one_refused(monkeypatc
         library.kernel()
     monkeypatch.delenv("SPECRT_NATIVE_KERNEL")
     monkeypatch.setattr(library, "supported", lambda k: k == "scalar")
-    with pytest.raises(SpecrtError, match="needs AVX2 and FMA, which this CPU lacks"):
+    with pytest.raises(SpecrtError, match="needs AVX2, FMA and F16C, which this CPU lacks"):
         library.kernel("avx2")
 
 
@@ -170,3 +170,35 @@ def test_a_failed_compile_leaves_no_library_behind(monkeypatch, tmp_path):
     with pytest.raises(SpecrtError, match="compiling the native kernels failed"):
         library.build()
     assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))
+
+
+def _half_inputs() -> np.ndarray:
+    """Floats over the whole range (random bit patterns: normals, subnormals, infinities, NaNs), the half
+    range's edges and ties, and small normal values (keys and values as they are)."""
+    rng = np.random.default_rng(4)
+    edges = np.array([0.0, 65504, 65519.996, 65520, 65536, 2**-24, 2**-25, 2**-25 * 1.0000001, 3 * 2**-26, 2**-14,
+                      2**-14 * (1 - 2**-11), np.inf, 1e-45, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-11 + 2**-20],
+                     np.float32)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([edges, -edges, bits, rng.standard_normal(50_000).astype(np.float32)])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_float_rounds_to_the_nearest_half_on_every_kernel(kernel):
+    """The KV cache's fp16 rounding (ties to even, overflow to infinity, subnormals kept) is numpy's for every
+    value but NaN, and every kernel's conversion is bitwise the scalar one, NaN payloads included."""
+    needs(kernel)
+    lib = library.load()
+    x = _half_inputs()
+
+    def halves(k: str) -> np.ndarray:
+        out = np.zeros(x.size, np.uint16)
+        assert lib.spn_to_half(library.KERNELS[k], calls.ptr(x), x.size, calls.ptr(out)) == 0, library.last_error()
+        return out
+
+    got = halves(kernel)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    numbers = ~np.isnan(x)
+    assert np.array_equal(got[numbers], want[numbers])
+    assert np.array_equal(got, halves("scalar"))

@@ -1,6 +1,6 @@
 """The native backend's decoder pass on tiny int4 bundles: batch-invariant on every kernel branch (the runtime's
-own invariance checks, all exactly 0), bitwise the same on every branch, close to ONNX Runtime's int4 graph,
-and refusing what it does not compute."""
+own invariance checks, all exactly 0), bitwise the same on every branch, with a float or a half KV cache, close
+to ONNX Runtime's int4 graph, and refusing what it does not compute."""
 
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ def bundle(request, tmp_path_factory):
     return tiny_bundle(tmp_path_factory.mktemp(request.param), request.param, **extra)
 
 
-def decoder(bundle, kernel: str, rows: int = 300, batch: int = 3, backend: str = "native"):
+KV_DTYPES = ["fp32", "fp16"]
+
+
+def decoder(bundle, kernel: str, rows: int = 300, batch: int = 3, backend: str = "native", kv_dtype: str = "fp32"):
     from specrt.engines.registry import make_decoder
     from specrt.schema.manifest import Manifest
 
     manifest = Manifest.load(bundle)
     cfg = manifest.target.config
     if backend == "native":
-        return make_decoder("native", bundle / manifest.target.file, cfg, rows, 2, batch, kernel=kernel)
+        return make_decoder("native", bundle / manifest.target.file, cfg, rows, 2, batch, kernel=kernel,
+                            kv_dtype=kv_dtype)
     return make_decoder(backend, manifest.onnx_path(bundle, "target"), cfg, rows, 2, batch)
 
 
@@ -36,13 +40,14 @@ def needs(kernel: str):
         pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("kernel", list(library.KERNELS))
-def test_every_invariance_check_is_exactly_zero(bundle, kernel):
+def test_every_invariance_check_is_exactly_zero(bundle, kernel, kv_dtype):
     from specrt.runtime import invariance
     from specrt.runtime.exec_modes import exec_mode
 
     needs(kernel)
-    dec = decoder(bundle, kernel, invariance.ROWS + 8)
+    dec = decoder(bundle, kernel, invariance.ROWS + 8, kv_dtype=kv_dtype)
     m = invariance.measure(dec, dec.cfg.vocab_size, exec_mode("direct"))
     assert m["invariant"] and all(m[c] == 0.0 for c in invariance.CHECKS), m
 
@@ -70,11 +75,12 @@ def _session(dec, rng, vocab):
     return [{k: v.copy() for k, v in o.items()} for o in outs]
 
 
-def test_every_kernel_computes_bitwise_the_same_outputs(bundle):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_every_kernel_computes_bitwise_the_same_outputs(bundle, kv_dtype):
     runs = {}
     for kernel in library.available():
-        dec = decoder(bundle, kernel)
-        runs[kernel] = _session(dec, np.random.default_rng(7), dec.cfg.vocab_size)
+        dec = decoder(bundle, kernel, kv_dtype=kv_dtype)
+        runs[kernel] = _session(dec, np.random.default_rng(7), dec.cfg.vocab_size) + [{"kv": np.stack(dec.kv)}]
     ref = runs["scalar"]
     for kernel, outs in runs.items():
         for a, b in zip(outs, ref, strict=True):
@@ -107,6 +113,37 @@ def test_models_sharing_the_process_pool_run_from_threads_of_their_own(bundle):
         for outs in runs:
             for a, b in zip(outs, alone, strict=True):
                 assert all(np.array_equal(a[k], b[k]) for k in b)
+
+
+def test_a_half_cache_holds_each_key_and_value_rounded_to_the_nearest_half(bundle):
+    """fp16: the buffers are float16; layer 0's keys and values (computed from the same inputs either way) are
+    the float cache's rounded to nearest; the later layers read the halves, so their outputs move, a little."""
+    full, half = decoder(bundle, "auto"), decoder(bundle, "auto", kv_dtype="fp16")
+    a = _session(full, np.random.default_rng(5), full.cfg.vocab_size)
+    b = _session(half, np.random.default_rng(5), half.cfg.vocab_size)
+    assert all(buf.dtype == np.float16 for buf in half.kv) and all(buf.dtype == np.float32 for buf in full.kv)
+    assert half.kv[0].nbytes * 2 == full.kv[0].nbytes
+    written = slice(0, 153)  # slot 0's rows: the prefill, windows and the long prefix (tree rows beyond are stale)
+    for layer0 in (0, 1):  # its key, then its value
+        assert np.array_equal(half.kv[layer0][0, :, written], full.kv[layer0][0, :, written].astype(np.float16))
+    moved = 0.0
+    for x, y in zip(b, a, strict=True):
+        scale = np.abs(y["logits"]).max()
+        diff = np.abs(x["logits"] - y["logits"]).max()
+        assert diff <= 0.02 * scale, (diff, scale)  # as close as ONNX Runtime's int4 graph is (below)
+        moved = max(moved, diff)
+    assert moved > 0  # the halves are what attention reads
+
+
+def test_a_kv_dtype_the_backend_cannot_hold_is_refused_in_one_line(bundle):
+    from specrt.errors import SpecrtError
+    from specrt.runtime.target import kv_cache_dtype
+
+    assert kv_cache_dtype("auto", "native") == "fp16" and kv_cache_dtype("auto", "ort") == "fp32"
+    with pytest.raises(SpecrtError, match="fp16 runs on --backend native"):
+        kv_cache_dtype("fp16", "ort")
+    with pytest.raises(SpecrtError, match="native backend's KV cache is one of fp32, fp16"):
+        decoder(bundle, "auto", 32, kv_dtype="bf16")
 
 
 def test_the_native_pass_computes_what_the_int4_graph_computes(bundle):
@@ -182,12 +219,13 @@ def _ragged_session(dec, rng, vocab, ragged: bool):
     return outs, kv
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("kernel", list(library.KERNELS))
-def test_a_ragged_pass_gives_each_row_what_the_padded_pass_gives(bundle, kernel):
+def test_a_ragged_pass_gives_each_row_what_the_padded_pass_gives(bundle, kernel, kv_dtype):
     """No padding rows, an idle slot running nothing, a prompt chunk beside decode windows in one pass:
     every output row and every KV row bitwise those of padded passes."""
     needs(kernel)
-    one, two = decoder(bundle, kernel, 64), decoder(bundle, kernel, 64)
+    one, two = decoder(bundle, kernel, 64, kv_dtype=kv_dtype), decoder(bundle, kernel, 64, kv_dtype=kv_dtype)
     padded = _ragged_session(one, np.random.default_rng(3), one.cfg.vocab_size, ragged=False)
     ragged = _ragged_session(two, np.random.default_rng(3), two.cfg.vocab_size, ragged=True)
     for a, b in zip(ragged[0], padded[0], strict=True):

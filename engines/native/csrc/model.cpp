@@ -132,6 +132,7 @@ struct Layer {
 struct Model {
   int L = 0, H = 0, nh = 0, kvh = 0, d = 0, I = 0, V = 0;
   bool feature = false;  // an EAGLE-3 drafter layer (spn_feature_pass): q|k|v reads its 2H-wide mix
+  bool kv_half = false;  // the KV cache holds IEEE halves (spn_set_kv_half), else floats
   float eps = 0, embed_scale = 1;
   Isa isa = kScalar;
   int threads = 1;
@@ -211,7 +212,7 @@ struct PassArgs {
   const uint8_t* mask;
   int R;
   const int64_t* logits_index;
-  float* const* kv;
+  void* const* kv;  // per layer, key then value: floats, or IEEE halves where the model's kv_half
   int64_t slot_stride;
   int cap;
   float* logits;
@@ -262,8 +263,10 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
   int lo, hi;
   share(M, tid, nt, lo, hi);
   linear(m, layer.qkv, in, M, ldin, m.qkv.data(), tid, nt, ops);
-  float* kc = p.kv[2 * l];
-  float* vc = p.kv[2 * l + 1];
+  // the cache of layer l: floats, or halves (m.kv_half); offsets below count values, whatever their size
+  char* const kc = static_cast<char*>(p.kv[2 * l]);
+  char* const vc = static_cast<char*>(p.kv[2 * l + 1]);
+  const size_t vsize = m.kv_half ? sizeof(uint16_t) : sizeof(float);
   for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
     const int b = lay.seq[r], t = r - lay.start[b];
     float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
@@ -272,8 +275,13 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
     const int64_t dst = p.past[b] + t;
     for (int kh = 0; kh < m.kvh; ++kh) {
       size_t off = static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * d;
-      std::memcpy(kc + off, row + nq + kh * d, d * sizeof(float));
-      std::memcpy(vc + off, row + nq + (m.kvh + kh) * d, d * sizeof(float));
+      if (m.kv_half) {
+        ops.to_half(row + nq + kh * d, reinterpret_cast<uint16_t*>(kc + off * vsize), d);
+        ops.to_half(row + nq + (m.kvh + kh) * d, reinterpret_cast<uint16_t*>(vc + off * vsize), d);
+      } else {
+        std::memcpy(kc + off * vsize, row + nq + kh * d, d * sizeof(float));
+        std::memcpy(vc + off * vsize, row + nq + (m.kvh + kh) * d, d * sizeof(float));
+      }
     }
   }
 pool.barrier();
@@ -320,7 +328,8 @@ pool.barrier();
         n_extra[i - qlo] = rows_n[t];
       }
       size_t off = static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * d;
-      ops.attend_many(qs, qhi - qlo, kc + off, vc + off, d, prefix, extras, n_extra, scores, lds, outs);
+      ops.attend_many(qs, qhi - qlo, kc + off * vsize, vc + off * vsize, m.kv_half, d, prefix, extras, n_extra, scores,
+                      lds, outs);
     }
   }
 pool.barrier();
@@ -665,6 +674,13 @@ int spn_set_rope(void* h, int rows, int half, const float* cs, const float* sn) 
   return 0;
 }
 
+// The KV buffers a pass is given hold IEEE halves (`on`: written rounded to nearest even, read exactly) or floats.
+int spn_set_kv_half(void* h, int on) {
+  if (!check(on == 0 || on == 1, "kv_half is 0 or 1")) return 1;
+  static_cast<Model*>(h)->kv_half = on == 1;
+  return 0;
+}
+
 int spn_set_taps(void* h, int n, const int* layers) {
   Model* m = static_cast<Model*>(h);
   if (!check(n >= 0 && (n == 0 || layers != nullptr), "taps missing")) return 1;
@@ -740,7 +756,7 @@ static int guarded(void (*fn)(Model&, const PassArgs&), Model& m, const PassArgs
 }
 
 int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, const int64_t* past, const uint8_t* mask,
-             int R, const int64_t* logits_index, float* const* kv, int64_t slot_stride, int cap, float* logits,
+             int R, const int64_t* logits_index, void* const* kv, int64_t slot_stride, int cap, float* logits,
              float* hidden, float* aux) {
   Model* m = static_cast<Model*>(h);
   if (!check(!m->feature, "a feature layer runs spn_feature_pass") ||
@@ -766,7 +782,7 @@ int spn_pass(void* h, int B, int T, const int64_t* ids, const int64_t* pos, cons
 // window), one after the other. logits [Σ nlogits, V], hidden [Σ rows, H], aux [Σ rows, taps·H]. Each row
 // is computed as in a padded pass or alone (the same per-row arithmetic), without the padding rows.
 int spn_pass_ragged(void* h, int B, const int64_t* rows, const int64_t* nlogits, const int64_t* ids, const int64_t* pos,
-                    const int64_t* past, const uint8_t* mask, const int64_t* logits_index, float* const* kv,
+                    const int64_t* past, const uint8_t* mask, const int64_t* logits_index, void* const* kv,
                     int64_t slot_stride, int cap, float* logits, float* hidden, float* aux) {
   Model* m = static_cast<Model*>(h);
   if (!check(!m->feature, "a feature layer runs spn_feature_pass") ||
@@ -790,7 +806,7 @@ int spn_pass_ragged(void* h, int B, const int64_t* rows, const int64_t* nlogits,
 // `hidden` gets the layer outputs [T, H].
 int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in, const float* aux_in,
                      int64_t aux_len, const int64_t* pos, const int64_t* past, const uint8_t* mask, int R,
-                     const int64_t* logits_index, float* const* kv, int cap, float* logits, float* hidden) {
+                     const int64_t* logits_index, void* const* kv, int cap, float* logits, float* hidden) {
   Model* m = static_cast<Model*>(h);
   if (!check(m->feature, "not a feature layer (spn_model_new feature 0)") ||
       !check((hidden_in != nullptr) != (aux_in != nullptr), "give the features or the rows to fuse, one of them") ||
@@ -811,6 +827,15 @@ int spn_feature_pass(void* h, int T, const int64_t* ids, const float* hidden_in,
   return guarded(run_feature_pass, *m,
                  PassArgs{1, T, ids, pos, past, mask, R, logits_index, kv, 0, cap, logits, hidden, nullptr,
                           hidden_in, aux_in, &lay});
+}
+
+// x[n] rounded to IEEE halves by kernel `isa`'s conversion (tests: every kernel against numpy's float16).
+int spn_to_half(int isa, const float* x, int64_t n, uint16_t* out) {
+  if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here") ||
+      !check(n >= 0 && n <= (1 << 30) && (n == 0 || (x && out)), "bad buffers"))
+    return 1;
+  ops_for(static_cast<Isa>(isa)).to_half(x, out, static_cast<int>(n));
+  return 0;
 }
 
 // One block-quantized product alone (tests and the kernel benchmark): y[M, N] = x[M, K] · W. Sizes as spn_set_linear.

@@ -11,9 +11,12 @@ struct Ops {
   void (*rope_row)(float* x, int heads, int d, const float* cs, const float* sn);
   // Attention of `nq` queries that share one key/value head (a GQA group's query heads, over every row of a
   // window): query i computes exactly ops.inc's attend(q[i], ..., extra[i], n_extra[i], scores + i * ld_scores,
-  // out[i]); a table may read each shared cache row once for all of them
-  void (*attend_many)(const float* const* q, int nq, const float* kc, const float* vc, int d, int prefix,
+  // out[i]); a table may read each shared cache row once for all of them. The cache holds floats, or IEEE
+  // halves where `half` (each read as the float it stands for)
+  void (*attend_many)(const float* const* q, int nq, const void* kc, const void* vc, int half, int d, int prefix,
                       const int* const* extra, const int* n_extra, float* scores, int ld_scores, float* const* out);
+  // out[i] = x[i] rounded to the nearest IEEE half (ties to even; what F16C's vcvtps2ph computes)
+  void (*to_half)(const float* x, uint16_t* out, int n);
   void (*silu_mul_row)(const float* gu, int I, float* out);
   void (*add_row)(float* x, const float* y, int H);
 };

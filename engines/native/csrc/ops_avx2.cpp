@@ -1,4 +1,5 @@
-// The per-row operations for AVX2 + FMA: ops.inc compiled for AVX2, with attention and SiLU vectorized by hand.
+// The per-row operations for AVX2 + FMA + F16C: ops.inc compiled for AVX2, with attention, SiLU, activation
+// quantization and half conversion vectorized by hand.
 // Each hand-written loop performs the reference's operations on the same values in the same order (lanes
 // are the reference's lane accumulators; 8 scores are reduced at once by a tree of horizontal adds, which is
 // hsum8's order), so this table's results equal reference_ops() bitwise.
@@ -12,7 +13,7 @@
 #include <cstring>
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 namespace spn {
 namespace avx2 {
@@ -36,6 +37,12 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// 8 cache values as floats: a float cache's own, a half cache's exact values (vcvtph2ps).
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // hsum8 of 8 vectors at once: lane i of the result is hsum8(v[i]).
 static inline __m256 hsum8x8(const __m256* v) {
   __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -45,13 +52,13 @@ static inline __m256 hsum8x8(const __m256* v) {
 
 // 8 keys' scores at once: dot_c of q with each of the 8 rows `kp` (lane l of a chunk is dot_c's accumulator l),
 // reduced in hsum8's order.
-template <int C>
-static inline void scores8(const float* q, const float* const* kp, float* s) {
+template <int C, typename KV>
+static inline void scores8(const float* q, const KV* const* kp, float* s) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int c = 0; c < C; ++c) {
     __m256 qc = _mm256_loadu_ps(q + 8 * c);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[i] + 8 * c), acc[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, ld8(kp[i] + 8 * c), acc[i]);
   }
   _mm256_storeu_ps(s, hsum8x8(acc));
 }
@@ -63,22 +70,38 @@ static inline void scores8(const float* q, const float* const* kp, float* s) {
 // bitwise, however many queries share the walk.
 constexpr int kKeyBlock = 32;
 
+// Cache rows [j0, j1) as floats: a float cache's own rows in place; a half cache's converted once into `buf`
+// (exactly), so the queries sharing the block (a GQA group's heads, a window's rows) read floats from L1 rather
+// than each converting the halves again.
 template <int C>
-static void attend_many_fast(const float* const* q, int nq, const float* kc, const float* vc, int prefix,
+static inline const float* block_rows(const float* base, int j0, int, float*) {
+  return base + static_cast<size_t>(j0) * 8 * C;
+}
+template <int C>
+static inline const float* block_rows(const uint16_t* base, int j0, int j1, float* buf) {
+  const uint16_t* src = base + static_cast<size_t>(j0) * 8 * C;
+  for (int i = 0; i < (j1 - j0) * C; ++i) _mm256_store_ps(buf + 8 * i, ld8(src + 8 * i));
+  return buf;
+}
+
+template <int C, typename KV>
+static void attend_many_fast(const float* const* q, int nq, const KV* kc, const KV* vc, int prefix,
                              const int* const* extra, const int* n_extra, float* scores, int lds,
                              float* const* out) {
   constexpr int d = 8 * C;
+  alignas(32) float buf[kKeyBlock * d];  // a half cache's block, converted (block_rows)
   for (int j0 = 0; j0 < prefix; j0 += kKeyBlock) {  // scores over the shared rows
     const int j1 = j0 + kKeyBlock < prefix ? j0 + kKeyBlock : prefix;
+    const float* kb = block_rows<C>(kc, j0, j1, buf);  // row j at kb + (j - j0) * d
     for (int i = 0; i < nq; ++i) {
       float* s = scores + static_cast<size_t>(i) * lds;
       int j = j0;
       for (; j + 8 <= j1; j += 8) {
         const float* kp[8];
-        for (int u = 0; u < 8; ++u) kp[u] = kc + static_cast<size_t>(j + u) * d;
+        for (int u = 0; u < 8; ++u) kp[u] = kb + static_cast<size_t>(j + u - j0) * d;
         scores8<C>(q[i], kp, s + j);
       }
-      for (; j < j1; ++j) s[j] = dot_c(q[i], kc + static_cast<size_t>(j) * d, d);
+      for (; j < j1; ++j) s[j] = dot_c(q[i], kb + static_cast<size_t>(j - j0) * d, d);
     }
   }
   alignas(32) float lanes[8];
@@ -106,14 +129,15 @@ static void attend_many_fast(const float* const* q, int nq, const float* kc, con
   }
   for (int j0 = 0; j0 < prefix; j0 += kKeyBlock) {  // the weighted sum over the shared rows
     const int j1 = j0 + kKeyBlock < prefix ? j0 + kKeyBlock : prefix;
+    const float* vb = block_rows<C>(vc, j0, j1, buf);
     for (int i = 0; i < nq; ++i) {
       const float* s = scores + static_cast<size_t>(i) * lds;
       __m256 o[C];
       for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(out[i] + 8 * c);
       for (int j = j0; j < j1; ++j) {
-        const float* v = vc + static_cast<size_t>(j) * d;
+        const float* v = vb + static_cast<size_t>(j - j0) * d;
         const __m256 p = _mm256_set1_ps(s[j]);
-        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, ld8(v + 8 * c), o[c]);
       }
       for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, o[c]);
     }
@@ -123,26 +147,44 @@ static void attend_many_fast(const float* const* q, int nq, const float* kc, con
     __m256 o[C];
     for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(out[i] + 8 * c);
     for (int e = 0; e < n_extra[i]; ++e) {
-      const float* v = vc + static_cast<size_t>(extra[i][e]) * d;
+      const KV* v = vc + static_cast<size_t>(extra[i][e]) * d;
       const __m256 p = _mm256_set1_ps(s[prefix + e]);
-      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, ld8(v + 8 * c), o[c]);
     }
     const __m256 inv = _mm256_set1_ps(s[prefix + n_extra[i]]);
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, _mm256_mul_ps(o[c], inv));
   }
 }
 
-static void attend_many_avx2(const float* const* q, int nq, const float* kc, const float* vc, int d, int prefix,
-                             const int* const* extra, const int* n_extra, float* scores, int lds,
-                             float* const* out) {
+template <typename KV>
+static void attend_many_typed(const float* const* q, int nq, const KV* kc, const KV* vc, int half, int d, int prefix,
+                              const int* const* extra, const int* n_extra, float* scores, int lds, float* const* out) {
   switch (d) {
     case 64:
       return attend_many_fast<8>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
     case 128:
       return attend_many_fast<16>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
     default:
-      return attend_many(q, nq, kc, vc, d, prefix, extra, n_extra, scores, lds, out);
+      return attend_many(q, nq, kc, vc, half, d, prefix, extra, n_extra, scores, lds, out);
   }
+}
+
+static void attend_many_avx2(const float* const* q, int nq, const void* kc, const void* vc, int half, int d,
+                             int prefix, const int* const* extra, const int* n_extra, float* scores, int lds,
+                             float* const* out) {
+  if (half)
+    return attend_many_typed(q, nq, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), half, d,
+                             prefix, extra, n_extra, scores, lds, out);
+  attend_many_typed(q, nq, static_cast<const float*>(kc), static_cast<const float*>(vc), half, d, prefix, extra,
+                    n_extra, scores, lds, out);
+}
+
+// to_half on 8 lanes: vcvtps2ph, rounding to nearest even (float_to_half's rounding).
+static void to_half_f16c(const float* x, uint16_t* out, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = float_to_half(x[i]);
 }
 
 // quantize_row on 8 lanes: the block's absmax (a maximum is exact in any order; _mm256_max_ps(f, m) is the
@@ -214,7 +256,7 @@ static void silu_mul_avx2(const float* gu, int I, float* out) {
 
 Ops avx2_ops() {
   return Ops{avx2::rmsnorm_row, avx2::quantize_row_avx2, avx2::rope_row, avx2::attend_many_avx2,
-             avx2::silu_mul_avx2, avx2::add_row};
+             avx2::to_half_f16c, avx2::silu_mul_avx2, avx2::add_row};
 }
 
 }  // namespace spn

@@ -11,7 +11,7 @@ namespace ref {
 }  // namespace ref
 
 Ops reference_ops() {
-  return Ops{ref::rmsnorm_row, ref::quantize_row, ref::rope_row, ref::attend_many, ref::silu_mul_row,
+  return Ops{ref::rmsnorm_row, ref::quantize_row, ref::rope_row, ref::attend_many, ref::to_half, ref::silu_mul_row,
              ref::add_row};
 }
 

@@ -279,11 +279,11 @@ bool isa_supported(Isa isa) {
       return true;
 #ifdef SPN_X86
     case kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case kAvx512Vnni:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-             __builtin_cpu_supports("fma");
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     default:
       return false;
