@@ -12,6 +12,12 @@ clients, not streamed and streamed, at each concurrency level. Per engine × con
     ITL            streamed: p50 / p95 of the gaps between consecutive content chunks, over every request
                    (vLLM's benchmark_serving's inter-token latency; a drafted step's tokens share a chunk)
     TPOT           streamed: p50 over requests of (latency − TTFT) / (tokens − 1)
+    server RSS     resident memory of the server's process group (Linux /proc) after the level: a
+                   server that leaks grows from level to level
+    long prompt    (`long_prompt`) each streamed level of several users once more with one long prompt
+                   among the requests, queued behind the first `concurrency` so it arrives mid-run: the
+                   row's figures are the other requests' (does its prefill stall their streams?), with
+                   the long request's own TTFT beside them
     same as single greedy texts equal to the engine's own single-request text (concurrency 1, not
                    streamed): does batching change its output?
     same as plain  specrt only: equal to single-request *plain* decoding (`--drafter plain`), specrt's
@@ -75,6 +81,7 @@ class Outcome:
     ttft_s: float | None
     error: str | None = None
     gaps_s: list[float] = field(default_factory=list)  # streamed: seconds between consecutive content chunks
+    prompt_tokens: int | None = None  # as the server's usage counted them, where it says
 
 
 def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcome], wall_s: float,
@@ -111,8 +118,8 @@ def summarize(engine: str, concurrency: int, stream: bool, outcomes: list[Outcom
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table; equality columns read k/n (blank where not measured)."""
     head = ("| engine | load | stream | tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s "
-            "| p50 ITL ms | p95 ITL ms | errors | same as own single | same as plain single |")
-    lines = [head, "|" + "---|" * 13]
+            "| p50 ITL ms | p95 ITL ms | errors | same as own single | same as plain single | server RSS MB |")
+    lines = [head, "|" + "---|" * 14]
 
     def frac(r, key):
         return "" if r.get(key) is None else f"{r[key]}/{r['requests']}"
@@ -125,11 +132,13 @@ def format_table(rows: list[dict]) -> str:
 
     for r in rows:
         load = f"{r['concurrency']} users" + (f", {r['rate']:g} req/s" if r.get("rate") else "")
+        if r.get("long_prompt"):
+            load += f" + a {r['long_prompt']['prompt_tokens'] or '?'}-token prompt"
         lines.append(f"| {r['engine']} | {load} | {'yes' if r['stream'] else 'no'} | "
                      f"{num(r['tokens_per_s'])} | {num(r['latency_p50_s'])} | {num(r['latency_p95_s'])} | "
                      f"{num(r['ttft_p50_s'])} | {num(r.get('ttft_p95_s'))} | {ms(r.get('itl_p50_s'))} | "
                      f"{ms(r.get('itl_p95_s'))} | {r['errors']} | {frac(r, 'same_as_single')} | "
-                     f"{frac(r, 'same_as_plain')} |")
+                     f"{frac(r, 'same_as_plain')} | {num(r.get('server_rss_mb'))} |")
     return "\n".join(lines)
 
 
@@ -178,12 +187,14 @@ async def _plain_request(client, body: dict) -> Outcome:
         return Outcome(None, 0, latency, None, f"HTTP {r.status_code}: {r.text[:200]}")
     obj = r.json()
     text = obj["choices"][0]["message"].get("content") or ""
-    return Outcome(text, int(obj.get("usage", {}).get("completion_tokens", 0)), latency, latency)
+    usage = obj.get("usage") or {}
+    return Outcome(text, int(usage.get("completion_tokens", 0)), latency, latency,
+                   prompt_tokens=usage.get("prompt_tokens"))
 
 
 async def _stream_request(client, body: dict) -> Outcome:
     t0 = time.perf_counter()
-    ttft, pieces, tokens, chunks, done, gaps, last = None, [], None, 0, False, [], None
+    ttft, pieces, tokens, chunks, done, gaps, last, prompt_tokens = None, [], None, 0, False, [], None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -208,11 +219,13 @@ async def _stream_request(client, body: dict) -> Outcome:
                         chunks += 1
                 if ev.get("usage"):
                     tokens = int(ev["usage"].get("completion_tokens", 0))
+                    prompt_tokens = ev["usage"].get("prompt_tokens")
     latency = time.perf_counter() - t0
     if not done:
         return Outcome(None, 0, latency, ttft, "the stream ended without `data: [DONE]`")
     # without a usage chunk, a content chunk counts as one token (servers stream about one per token)
-    return Outcome("".join(pieces), chunks if tokens is None else tokens, latency, ttft, gaps_s=gaps)
+    return Outcome("".join(pieces), chunks if tokens is None else tokens, latency, ttft, gaps_s=gaps,
+                   prompt_tokens=prompt_tokens)
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Outcome:
@@ -224,6 +237,19 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, stream: 
         return await (_stream_request if stream else _plain_request)(client, body)
     except Exception as e:  # httpx transport errors, malformed JSON
         return Outcome(None, 0, time.perf_counter() - t0, None, f"{type(e).__name__}: {e}")
+
+
+def long_prompt(tokens: int, prompts: list[str]) -> str:
+    """About `tokens` tokens of text (4 characters a token: English runs 4 to 5 in BPE vocabularies), the
+    load's own prompts one after another, then a request to summarize them: one long prompt a user sends."""
+    if tokens < 1 or not prompts:
+        raise SpecrtError(f"--long-prompt {tokens}: give a positive token count (and a load with prompts)")
+    parts, size, i = [], 0, 0
+    while size < 4 * tokens:
+        parts.append(prompts[i % len(prompts)])
+        size += len(parts[-1]) + 1
+        i += 1
+    return "\n".join(parts)[: 4 * tokens] + "\n\nSummarize the text above in one sentence."
 
 
 def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
@@ -321,16 +347,45 @@ def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
         proc.wait(10)
 
 
+def group_rss_mb(pgid: int, proc_root: Path = Path("/proc")) -> float | None:
+    """Resident memory of every process in group `pgid`, MB (a server and the workers it started); None
+    where /proc cannot tell (not Linux)."""
+    total, seen = 0, False
+    try:
+        entries = list(proc_root.iterdir())
+    except OSError:
+        return None
+    for d in entries:
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ")"
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            for line in (d / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+                    seen = True
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return round(total / 1024, 1) if seen else None
+
+
 @contextlib.contextmanager
 def server(name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-           timeout: float = START_TIMEOUT_S, log_dir: Path | None = None) -> Iterator[tuple[str, str]]:
+           timeout: float = START_TIMEOUT_S, log_dir: Path | None = None,
+           started: Callable[[int], None] | None = None) -> Iterator[tuple[str, str]]:
     """`argv` (a server listening on 127.0.0.1:`port`) started in a process group of its own, its output
-    in a log file; yields (base URL, model id) once it answers; its group is ended on exit."""
+    in a log file; yields (base URL, model id) once it answers; its group is ended on exit. `started`
+    gets the group's id."""
     fd, log = tempfile.mkstemp(prefix=f"specrt-serve-bench-{name}-", suffix=".log", dir=log_dir)
     log = Path(log)
     with os.fdopen(fd, "wb") as out:
         proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+    if started is not None:
+        started(proc.pid)  # a new session: the group's id is the leader's pid
     try:
         url = f"http://127.0.0.1:{port}"
         yield url, wait_ready(url, proc, log, name, timeout)
@@ -366,12 +421,23 @@ def levels_of(concurrencies: list[int], streams: tuple[bool, ...] = (False, True
     return [SINGLE] + [r for r in runs if r != SINGLE]
 
 
+def intruded(prompts: list[str], long: str, concurrency: int) -> tuple[list[str], int]:
+    """The load with `long` queued behind the first `concurrency` requests (sent when one of them ends:
+    mid-run), and its index."""
+    at = min(concurrency, len(prompts))
+    return prompts[:at] + [long] + prompts[at:], at
+
+
 def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=print, bar: Callable | None = None,
-                   record: dict | None = None, rate: float | None = None
+                   record: dict | None = None, rate: float | None = None, rss: dict | None = None,
+                   long: str | None = None, long_runs: dict | None = None
                    ) -> dict[tuple[int, bool], tuple[list[Outcome], float]]:
     """Start `engine`'s server alone, warm it up (one short request, not measured), run every level
     (`rate`: requests arriving as a Poisson process, but for the SINGLE reference, sent one by one);
-    `record` gets the command line and environment it ran with."""
+    `record` gets the command line and environment it ran with, `rss` the server's resident MB after
+    the warm-up ("warm") and after each level. `long`: each streamed level of several users runs again with
+    this prompt among its requests (`intruded`); `long_runs` gets (others' outcomes, wall s, the long
+    request's outcome) by level."""
     port = free_port()
     argv, env = engine.start(port)
     if record is not None:
@@ -379,11 +445,14 @@ def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=prin
     log(f"{engine.name}: starting {' '.join(argv[:4])}... on port {port}")
     t0 = time.perf_counter()
     results = {}
-    with server(engine.name, argv, port, env) as (url, model):
+    group: list[int] = []
+    rss = {} if rss is None else rss
+    with server(engine.name, argv, port, env, started=group.append) as (url, model):
         log(f"{engine.name}: up in {time.perf_counter() - t0:.0f} s, serving {model!r}")
         warm, _ = run_load(url, model, prompts[:1], 4, 1, False)
         if warm[0].error:
             raise SpecrtError(f"{engine.name}: the warm-up request failed: {warm[0].error}")
+        rss["warm"] = group_rss_mb(group[0])
         for c, stream in engine.levels:
             progress = bar(total=len(prompts), desc=f"{engine.name} c={c}{' stream' if stream else ''}",
                            unit="req", leave=False) if bar else None
@@ -393,17 +462,31 @@ def measure_engine(engine: Engine, prompts: list[str], max_tokens: int, log=prin
             finally:
                 if progress is not None:
                     progress.close()
+            rss[(c, stream)] = group_rss_mb(group[0])
+            if long is not None and stream and c > 1 and long_runs is not None:
+                load, at = intruded(prompts, long, c)
+                outs, wall = run_load(url, model, load, max_tokens, c, stream, None, rate)
+                long_runs[(c, stream)] = (outs[:at] + outs[at + 1:], wall, outs[at])
     return results
 
 
-def rows_of(name: str, results: dict, plain: list[str | None] | None = None, rate: float | None = None) -> list[dict]:
+def rows_of(name: str, results: dict, plain: list[str | None] | None = None, rate: float | None = None,
+            rss: dict | None = None, long_runs: dict | None = None) -> list[dict]:
     """Table rows of one engine's results, each compared with its SINGLE run (and `plain`, where given);
-    `rate`: the arrival rate of every run but SINGLE."""
+    `rate`: the arrival rate of every run but SINGLE; `rss`: the server's MB after each level; `long_runs`:
+    a row after its level's for the run with a long prompt among the requests (the others' figures)."""
     single = [o.text if o.error is None else None for o in results[SINGLE][0]]
     rows = []
     for (c, s), (outs, wall) in results.items():
         rows.append(summarize(name, c, s, outs, wall, single, plain))
         rows[-1]["rate"] = None if (c, s) == SINGLE else rate
+        rows[-1]["server_rss_mb"] = (rss or {}).get((c, s))
+        if (c, s) in (long_runs or {}):
+            others, wall, long = long_runs[(c, s)]
+            rows.append(summarize(name, c, s, others, wall, single, plain))
+            rows[-1]["rate"] = rows[-2]["rate"]
+            rows[-1]["long_prompt"] = {"prompt_tokens": long.prompt_tokens, "ttft_s": long.ttft_s,
+                                       "latency_s": round(long.latency_s, 4), "error": long.error}
     return rows
 
 
@@ -443,7 +526,7 @@ def tuned_drafter(bundle: Path) -> str:
 
 def compare(bundle: Path, peer: str | None, drafter: str | None, prompts: list[str], max_tokens: int,
             concurrencies: list[int], threads: int, max_seq_len: int | None, flags: list[str],
-            log=print, bar: Callable | None = None, rate: float | None = None) -> dict:
+            log=print, bar: Callable | None = None, rate: float | None = None, long_tokens: int | None = None) -> dict:
     """The peer's server (None: none), then specrt's single-request plain reference, then `specrt serve
     --drafter DRAFTER`, one at a time, under the same load; {"rows", "config", "outcomes"}."""
     if peer is not None and peer not in SERVERS:
@@ -465,13 +548,19 @@ def compare(bundle: Path, peer: str | None, drafter: str | None, prompts: list[s
         engines.append(specrt_engine("specrt-plain", "plain", slots, [SINGLE]))
     engines.append(specrt_engine(f"specrt-{chosen}", drafter, slots, levels))
     commands: dict = {}
-    results = {e.name: measure_engine(e, prompts, max_tokens, log, bar, commands, rate) for e in engines}
+    rss: dict[str, dict] = {e.name: {} for e in engines}
+    long = long_prompt(long_tokens, prompts) if long_tokens else None
+    long_runs: dict[str, dict] = {e.name: {} for e in engines}
+    results = {e.name: measure_engine(e, prompts, max_tokens, log, bar, commands, rate, rss[e.name], long,
+                                      long_runs[e.name]) for e in engines}
     plain = texts_of(results["specrt-plain" if chosen != "plain" else f"specrt-{chosen}"][SINGLE][0])
-    rows = rows_of(other.name, results[other.name], rate=rate) if other is not None else []
+    rows = (rows_of(other.name, results[other.name], rate=rate, rss=rss[other.name], long_runs=long_runs[other.name])
+            if other is not None else [])
     for e in engines[1 if other is not None else 0:]:
-        rows += rows_of(e.name, results[e.name], plain, rate)
+        rows += rows_of(e.name, results[e.name], plain, rate, rss[e.name], long_runs[e.name])
     config = {"peer": peer, "bundle": str(bundle), "drafter": chosen, "threads": threads, "max_tokens": max_tokens,
               "requests": len(prompts), "concurrencies": concurrencies, "rate": rate, "specrt_slots": slots,
-              "flags": flags, "commands": commands}
+              "flags": flags, "commands": commands, "long_prompt_tokens": long_tokens,
+              "server_rss_mb_after_warmup": {name: r.get("warm") for name, r in rss.items()}}
     return {"config": config, "rows": rows,
             "outcomes": {name: outcomes_json(res) for name, res in results.items()}}

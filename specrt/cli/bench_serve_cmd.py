@@ -39,9 +39,13 @@ from specrt.tools.serve_bench import SERVERS, write_json
               help="With --peer or --process: requests arrive as a Poisson process of this many a second (seeded; "
                    "each server gets the same schedule), at most --concurrency in flight; the single-request "
                    "reference still sends them one by one.")
+@click.option("--long-prompt", "long_tokens", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="With --peer or --process: each streamed level of several users runs once more with one prompt of "
+                   "about TOKENS tokens among its requests, arriving mid-run; its row gives the other requests' "
+                   "TTFT and inter-token latency (and the long one's TTFT in --json). Give --max-seq-len room for it.")
 @runtime_options
 def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, process, prompts_spec,
-            rate, **runtime):
+            rate, long_tokens, **runtime):
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
     --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
@@ -57,12 +61,14 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
         raise click.BadParameter(f"{concurrency!r}: give positive integers such as 1,4,8", param_hint="--concurrency")
     if rate is not None and not (peer or process):
         raise click.UsageError("--rate needs --peer or --process (a server in its own process)")
+    if long_tokens is not None and not (peer or process):
+        raise click.UsageError("--long-prompt needs --peer or --process (a server in its own process)")
     prompts = [p.prompt for p in prompt_set(prompts_spec, None)]
     if not prompts:
         raise click.BadParameter(f"{prompts_spec}: no prompts in it", param_hint="--prompts")
     if peer or process:
         return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
-                     levels, json_out, runtime, rate)
+                     levels, json_out, runtime, rate, long_tokens)
     if mixed:
         return _mixed(bundle, drafter, prompts, mixed, levels[0], slots, max_tokens, json_out, runtime)
     gen = make_generator(bundle, drafter, slots=max(levels), **runtime)
@@ -100,7 +106,7 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
         raise SystemExit(1)
 
 
-def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime, rate=None):
+def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime, rate=None, long_tokens=None):
     """Each server alone, the same load on each (tools/serve_bench.py); the table, and --json."""
     from tqdm import tqdm
 
@@ -109,7 +115,8 @@ def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime,
 
     path = resolve_bundle(bundle)
     result = compare(path, peer, drafter, prompts, max_tokens, levels, runtime["threads"], runtime["max_seq_len"],
-                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm, rate=rate)
+                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm, rate=rate,
+                     long_tokens=long_tokens)
     arriving = f"arriving at {rate:g}/s (Poisson), " if rate else ""
     click.echo(f"{len(prompts)} chat requests ({len(set(prompts))} distinct) × ≤{max_tokens} tokens, greedy, "
                f"{arriving}{runtime['threads']} threads; each server alone")

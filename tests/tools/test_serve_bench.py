@@ -56,11 +56,13 @@ def test_format_table_shows_equality_as_a_fraction_and_blanks_what_was_not_measu
     b = sb.summarize("specrt-ngram", 16, True, [sb.Outcome("x", 4, 1.0, 0.5)] * 2, 1.0, ["x", "x"], ["x", "x"])
     c = sb.summarize("specrt-ngram", 16, True, [sb.Outcome("x", 3, 1.0, 0.5, gaps_s=[0.25, 0.25])], 1.0)
     c["rate"] = 2.5
+    c["server_rss_mb"] = 812.5
     table = sb.format_table([a, b, c]).splitlines()
-    assert table[0].startswith("| engine | load | stream | tok/s")
-    assert table[2] == "| vllm-bfloat16 | 1 users | no | 8.0 | 1.0 | 1.0 | 1.0 | 1.0 |  |  | 0 | 1/2 |  |"
-    assert table[3] == "| specrt-ngram | 16 users | yes | 8.0 | 1.0 | 1.0 | 0.5 | 0.5 |  |  | 0 | 2/2 | 2/2 |"
-    assert table[4] == "| specrt-ngram | 16 users, 2.5 req/s | yes | 3.0 | 1.0 | 1.0 | 0.5 | 0.5 | 250.0 | 250.0 | 0 |  |  |"
+    assert table[0].startswith("| engine | load | stream | tok/s") and table[0].endswith("| server RSS MB |")
+    assert table[2] == "| vllm-bfloat16 | 1 users | no | 8.0 | 1.0 | 1.0 | 1.0 | 1.0 |  |  | 0 | 1/2 |  |  |"
+    assert table[3] == "| specrt-ngram | 16 users | yes | 8.0 | 1.0 | 1.0 | 0.5 | 0.5 |  |  | 0 | 2/2 | 2/2 |  |"
+    assert table[4] == ("| specrt-ngram | 16 users, 2.5 req/s | yes | 3.0 | 1.0 | 1.0 | 0.5 | 0.5 | 250.0 | 250.0 | 0 "
+                        "|  |  | 812.5 |")
 
 
 def test_summarize_takes_itl_over_every_gap_and_tpot_per_request():
@@ -141,23 +143,46 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def test_server_waits_for_v1_models_and_ends_the_whole_process_group(tmp_path):
     script, child = tmp_path / "fake.py", tmp_path / "child.pid"
     script.write_text(FAKE_SERVER)
     port = sb.free_port()
-    pid = None
+    pid, group = None, []
     try:
         # ready in well under a second; the 120 s is only the give-up point
         with sb.server("fake", [sys.executable, str(script), str(port), str(child)], port,
-                       timeout=120) as (url, model):
+                       timeout=120, started=group.append) as (url, model):
             assert model == "fake" and url == f"http://127.0.0.1:{port}"
             pid = int(child.read_text())  # written before the server listens, so before it was ready
             assert _alive(pid)
+            # the server and its child, both: more than either alone
+            assert sb.group_rss_mb(group[0]) * 1024 > max(_rss_kb(group[0]), _rss_kb(pid))
         # the group got SIGTERM as the block closed: the child dies at once (it has no handler)
         assert eventually(lambda: not _alive(pid), 60), "the server's child outlived it"
     finally:
         if pid is not None and _alive(pid):  # never leave it behind, even when the test failed
             os.kill(pid, signal.SIGKILL)
+
+
+def test_group_rss_sums_the_groups_processes_only(tmp_path):
+    def proc(pid, comm, pgrp, rss_kb):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} ({comm}) S 1 {pgrp} {pgrp} 0 -1 4194560 0 0\n")
+        (d / "status").write_text(f"Name:\t{comm}\nVmRSS:\t{rss_kb} kB\n")
+
+    proc(10, "specrt", 10, 1024)
+    proc(11, "a (b) c", 10, 512)  # a name with spaces and parentheses
+    proc(12, "other", 99, 4096)
+    (tmp_path / "self").mkdir()
+    assert sb.group_rss_mb(10, tmp_path) == 1.5
+    assert sb.group_rss_mb(7, tmp_path) is None
+    assert sb.group_rss_mb(10, tmp_path / "missing") is None
 
 
 def test_a_server_that_exits_is_refused_quoting_its_log(tmp_path):
@@ -183,6 +208,8 @@ def test_client_measures_a_real_specrt_serve_streamed_and_not(real_bundle):
     assert [o.text for o in streamed] == [o.text for o in plain] and all(o.text for o in plain)
     assert all(0 < o.tokens <= 8 for o in plain + streamed)
     assert [o.tokens for o in streamed] == [o.tokens for o in plain]  # from the usage chunk
+    assert all(o.prompt_tokens and o.prompt_tokens > 3 for o in plain + streamed)
+    assert [o.prompt_tokens for o in streamed] == [o.prompt_tokens for o in plain]
     assert all(o.ttft_s == o.latency_s for o in plain)
     assert all(0 < o.ttft_s < o.latency_s for o in streamed)
     assert all(o.gaps_s == [] for o in plain) and all(0 < len(o.gaps_s) < o.tokens for o in streamed)
@@ -199,13 +226,39 @@ def test_bench_serve_passes_given_runtime_options_on_to_specrt_serve():
     assert flags == ["--threads", "2", "--max-seq-len", "512", "--fixed-depth"]  # defaults left out, threads kept
 
 
-def test_bench_serve_refuses_a_rate_without_a_server_process(tmp_path):
+@pytest.mark.parametrize("flag", ["--rate", "--long-prompt"])
+def test_bench_serve_refuses_a_process_option_without_a_server_process(tmp_path, flag):
     from click.testing import CliRunner
 
     from specrt.cli.bench_serve_cmd import command
 
-    result = CliRunner().invoke(command, [str(tmp_path), "--rate", "2"])
-    assert result.exit_code == 2 and "--rate needs --peer or --process" in result.output
+    result = CliRunner().invoke(command, [str(tmp_path), flag, "2"])
+    assert result.exit_code == 2 and f"{flag} needs --peer or --process" in result.output
+
+
+def test_a_long_prompt_is_the_loads_own_text_and_queues_behind_the_first_users():
+    prompts = ["Name three colors.", "Write a haiku about rain.", "What is 2 + 2?"]
+    text = sb.long_prompt(100, prompts)
+    body, ask = text.rsplit("\n\n", 1)
+    assert len(body) == 400 and body.startswith(prompts[0] + "\n" + prompts[1]) and ask.startswith("Summarize")
+    load, at = sb.intruded(prompts, text, 2)
+    assert at == 2 and load == prompts[:2] + [text] + prompts[2:]
+    assert sb.intruded(prompts, text, 16) == (prompts + [text], 3)
+    with pytest.raises(SpecrtError, match="--long-prompt 0"):
+        sb.long_prompt(0, prompts)
+
+
+def test_a_long_prompt_run_gets_a_row_of_the_other_requests_after_its_level():
+    single = [sb.Outcome("a", 4, 1.0, 1.0), sb.Outcome("b", 4, 1.0, 1.0)]
+    streamed = [sb.Outcome("a", 4, 1.0, 0.1, gaps_s=[0.1] * 3), sb.Outcome("b", 4, 1.0, 0.1, gaps_s=[0.1] * 3)]
+    others = [sb.Outcome("a", 4, 2.0, 0.1, gaps_s=[0.1, 0.9, 0.1]), sb.Outcome("b", 4, 2.0, 0.1, gaps_s=[0.1] * 3)]
+    long = sb.Outcome("c", 8, 3.0, 1.5, prompt_tokens=2011)
+    results = {sb.SINGLE: (single, 2.0), (2, True): (streamed, 1.0)}
+    rows = sb.rows_of("specrt-plain", results, ["a", "b"], long_runs={(2, True): (others, 2.5, long)})
+    assert len(rows) == 3 and "long_prompt" not in rows[1]
+    assert rows[2]["long_prompt"] == {"prompt_tokens": 2011, "ttft_s": 1.5, "latency_s": 3.0, "error": None}
+    assert rows[2]["requests"] == 2 and rows[2]["same_as_plain"] == 2 and rows[2]["itl_p95_s"] > rows[1]["itl_p95_s"]
+    assert "| 2 users + a 2011-token prompt | yes |" in sb.format_table(rows).splitlines()[4]
 
 
 def test_bench_serve_peer_without_its_venv_names_the_setup_command(tmp_path, monkeypatch):
