@@ -1,6 +1,7 @@
 """Where a serving step's time goes, without HTTP: the scheduler stepped in this thread over N requests.
 
     python scripts/serve_steps.py BUNDLE [--users 1,4,16] [--requests 48] [--max-tokens 128] [--threads 2]
+                                         [--kv-dtype auto|fp32|fp16]
 
 For each user count: that many KV slots, `--requests` distinct held-out chat prompts all queued at once,
 greedy plain decoding, stepped until every request ends. Prints tokens/s, the seconds in target passes and
@@ -19,8 +20,8 @@ from specrt.runtime.generate import Generator
 from specrt.serving.scheduler import Scheduler
 
 
-def run(bundle: str, users: int, prompts: list[str], max_tokens: int, threads: int) -> dict:
-    gen = Generator(bundle, drafter="plain", max_seq_len=1024, slots=users, threads=threads)
+def run(bundle: str, users: int, prompts: list[str], max_tokens: int, threads: int, kv_dtype: str = "auto") -> dict:
+    gen = Generator(bundle, drafter="plain", max_seq_len=1024, slots=users, threads=threads, kv_dtype=kv_dtype)
     passes = {"seconds": 0.0, "rows": 0}
 
     def runner(bp):
@@ -52,12 +53,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16"])
     args = ap.parse_args()
     prompts = [p.prompt for p in prompt_set("heldout", None)][: args.requests]
     print("| users | tok/s | s | in passes s | other s | decode steps | mean batch | rows run |")
     print("|---|---|---|---|---|---|---|---|")
     for users in (int(u) for u in args.users.split(",")):
-        r = run(args.bundle, users, prompts, args.max_tokens, args.threads)
+        r = run(args.bundle, users, prompts, args.max_tokens, args.threads, args.kv_dtype)
         print(f"| {r['users']} | {r['tokens_per_s']} | {r['seconds']} | {r['pass_s']} | {r['other_s']} | {r['steps']} "
               f"| {r['mean_batch']} | {r['rows']} |", flush=True)
 

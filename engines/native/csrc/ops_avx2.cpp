@@ -43,6 +43,17 @@ static inline __m256 ld8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// dot_c of q with one cache row of 8 * C values, on 8 lanes (lane l is dot_c's accumulator l): a window's own
+// rows, which no other query shares, read (and a half cache's converted) in vectors.
+template <int C, typename KV>
+static inline float dot8(const float* q, const KV* k) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), ld8(k + 8 * c), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  return hsum8(lanes);
+}
+
 // hsum8 of 8 vectors at once: lane i of the result is hsum8(v[i]).
 static inline __m256 hsum8x8(const __m256* v) {
   __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -101,14 +112,14 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
         for (int u = 0; u < 8; ++u) kp[u] = kb + static_cast<size_t>(j + u - j0) * d;
         scores8<C>(q[i], kp, s + j);
       }
-      for (; j < j1; ++j) s[j] = dot_c(q[i], kb + static_cast<size_t>(j - j0) * d, d);
+      for (; j < j1; ++j) s[j] = dot8<C>(q[i], kb + static_cast<size_t>(j - j0) * d);
     }
   }
   alignas(32) float lanes[8];
   for (int i = 0; i < nq; ++i) {  // each query's own rows, its softmax, then its output zeroed
     float* s = scores + static_cast<size_t>(i) * lds;
     const int n = prefix + n_extra[i];
-    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot_c(q[i], kc + static_cast<size_t>(extra[i][e]) * d, d);
+    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], kc + static_cast<size_t>(extra[i][e]) * d);
     float m = s[0];
     for (int j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
     const __m256 mv = _mm256_set1_ps(m);
