@@ -60,7 +60,7 @@ def _trt(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int
 
 
 def _native(path: Path, cfg: DecoderConfig, capacity: int, threads: int, batch: int, spin: bool,
-            kernel: str = "auto", kv_dtype: str = "fp32") -> Decoder:
+            kernel: str = "auto", kv_dtype: str = "fp16") -> Decoder:
     from specrt.engines.native.runner import NativeDecoder
 
     return NativeDecoder(path, cfg, capacity, threads, batch, spin, kernel=kernel, kv_dtype=kv_dtype)

@@ -3,9 +3,11 @@ computed by one per-row arithmetic, so a pass over many rows gives each row bitw
 
 KV buffers are numpy arrays of the `ort` backend's layout ([batch, kv_heads, capacity, head_dim] per layer,
 key and value), written in place by the pass; `compact` moves accepted tree rows as the `ort` runner does.
-They hold float32, or float16 (`kv_dtype`): each key and value rounded to the nearest half when it is
-written, read back exactly, so a row's arithmetic still depends on that row alone; half the bytes for
-attention to read (it streams every sequence's cache in every layer) and for the cache to hold.
+They hold float16 (`kv_dtype`, the default: what the runtime's `--kv-dtype auto` runs, so a store's
+answers, cost curves and exactness checks see the cache the runtime has) or float32; a half is each key
+and value rounded to nearest when it is written, read back exactly, so a row's arithmetic still depends on
+that row alone; half the bytes for attention to read (it streams every sequence's cache in every layer)
+and for the cache to hold.
 Output buffers are reused across passes while nothing else refers to them (as engines/ort_cpu/runner.py).
 """
 
@@ -35,7 +37,7 @@ KV_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 class NativeDecoder(Decoder):
     def __init__(self, path: Path, cfg: DecoderConfig, capacity: int, threads: int = 2, batch: int = 1,
-                 spin: bool = True, kernel: str = "auto", kv_dtype: str = "fp32"):
+                 spin: bool = True, kernel: str = "auto", kv_dtype: str = "fp16"):
         if kv_dtype not in KV_DTYPES:
             raise SpecrtError(f"--kv-dtype {kv_dtype!r}: the native backend's KV cache is one of {', '.join(KV_DTYPES)}")
         if not Path(path).is_file():
