@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.engines.registry import backend_entry, open_decoder, resolve_backend
+from specrt.engines.registry import BACKENDS, backend_entry, open_decoder, resolve_backend
 from specrt.errors import SpecrtError
 from specrt.runtime.batch import BatchOutputs, pack_ragged
 from specrt.runtime.drafters.features import TargetState
@@ -44,21 +44,22 @@ def kv_capacity(max_seq_len: int | None, cfg) -> int:
     return int(max_seq_len)
 
 
-# the backends whose KV cache can hold halves; `auto` picks fp16 on them (half the bytes attention streams per
-# pass, and half the memory per slot), fp32 elsewhere
-HALF_KV_BACKENDS = ("native",)
 KV_DTYPES = ("auto", "fp32", "fp16")
 
 
 def kv_cache_dtype(requested: str, backend: str) -> str:
-    """The KV cache's dtype on `backend` for --kv-dtype `requested`; a dtype the backend cannot hold is refused."""
+    """The KV cache's dtype on `backend` for --kv-dtype `requested`: auto is fp16 where the backend's cache holds
+    halves (engines/registry.py `half_kv`: half the bytes attention streams per pass, half the memory per
+    slot), fp32 elsewhere; a dtype the backend cannot hold is refused."""
     if requested not in KV_DTYPES:
         raise SpecrtError(f"--kv-dtype {requested!r}: choose one of {', '.join(KV_DTYPES)}")
+    half = backend_entry(backend).half_kv
     if requested == "auto":
-        return "fp16" if backend in HALF_KV_BACKENDS else "fp32"
-    if requested == "fp16" and backend not in HALF_KV_BACKENDS:
+        return "fp16" if half else "fp32"
+    if requested == "fp16" and not half:
+        able = " or ".join(name for name, entry in BACKENDS.items() if entry.half_kv)
         raise SpecrtError(f"--kv-dtype fp16: the {backend} backend keeps its KV cache in fp32; fp16 runs on "
-                          f"--backend {' or '.join(HALF_KV_BACKENDS)} (or use --kv-dtype auto)")
+                          f"--backend {able} (or use --kv-dtype auto)")
     return requested
 
 
@@ -98,7 +99,7 @@ class TargetModel:
             rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
         self.backend, self.threads = backend, threads
         self.kv_dtype = kv_cache_dtype(kv_dtype, backend)
-        options = {"kv_dtype": self.kv_dtype} if backend in HALF_KV_BACKENDS else {}
+        options = {"kv_dtype": self.kv_dtype} if backend_entry(backend).half_kv else {}
         self.decoder = shaped(open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots,
                                            **options), mode)
 

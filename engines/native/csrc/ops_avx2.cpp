@@ -241,10 +241,7 @@ static void quantize_row_avx2(const float* x, int K, QAct& a, int row) {
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
     }
-    a.scale[row * a.blocks + b] = m / 127.0f;
-    a.corr[row * a.blocks + b] = 8 * sum;
-    a.lo_sum[row * a.blocks + b] = lo;
-    a.qsum[row * a.blocks + b] = (m / 127.0f) * static_cast<float>(sum);
+    set_block_sums(a, row, b, m, sum, lo);
   }
   for (int b = full; b < a.blocks; ++b) quantize_block(x, K, a, row, b);
 }

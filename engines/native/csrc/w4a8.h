@@ -27,7 +27,6 @@ constexpr int kBlock = 32;     // inputs per scale
 constexpr int kTileN = 16;     // columns per packed tile (one 512-bit register of int32 lanes)
 constexpr int kTileBytes = kBlock * kTileN / 2;  // packed bytes of one int4 block of one tile: 256
 constexpr int kTileBytes8 = kBlock * kTileN;     // ... of one int8 block: 512
-constexpr int kRowTile = 8;    // rows that share one unpacked weight block
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kIsaCount = 3 };
 enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kFormatCount = 4 };
