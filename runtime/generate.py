@@ -13,8 +13,8 @@
 The step itself, with its maths (greedy walk, rejection sampling, KV compaction and rollback), is
 on one page in runtime/sequence.py. Greedy output equals plain greedy decoding ("plain" proposes
 nothing: one token per pass); sampled output follows the target's (warped) distribution. The target
-runs on any backend of engines/registry.py; drafters on ONNX Runtime, CPU, and EAGLE-3 layers on the native
-kernels where the target runs there (runtime/drafters/features.py).
+runs on any backend of engines/registry.py; drafters on ONNX Runtime, CPU, and EAGLE, EAGLE-3 and MTP layers,
+Medusa heads and the draft model on the native kernels where the target runs there (runtime/drafters/features.py).
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ BRANCHES: dict[str, Branch] = {b.name: b for b in (
     Branch("native_kernel", "SPECRT_NATIVE_KERNEL", ("scalar", "avx2", "avx512vnni"),
            "the fastest kernel of the native backend this CPU executes (engines/native/library.py)"),
     Branch("drafter_layers", "SPECRT_DRAFTER_LAYERS", ("ort", "native"),
-           "native where the target runs on the native backend and the graph is an int4 EAGLE-3 layer or an "
-           "int4 draft model; else ort (runtime/drafters/features.py)"),
+           "native where the target runs on the native backend and the graph is an int4 EAGLE-1/2, EAGLE-3 or "
+           "MTP layer, int4 Medusa heads or an int4 draft model; else ort (runtime/drafters/features.py)"),
 )}
 
 

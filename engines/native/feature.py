@@ -1,18 +1,21 @@
-"""An EAGLE-3 drafter layer run by the native kernels: one C call per draft pass, no graph interpreter.
+"""A drafter layer (EAGLE-1/2, EAGLE-3, one MTP module) run by the native kernels: one C call per draft pass,
+no graph interpreter.
 
 The layer graph (export/drafters/graphs.py) is read by its initializer names, as weights.py reads the target:
-the mix's norms (`midlayer.input_layernorm`, `midlayer.hidden_norm`), the int4 layer (`layer.*_proj`), the
-head's norm and its draft-vocabulary head (`lm_head.weight.T`), the embedding table; and the fuse graph's
-int4 fc (`fc.weight`). A drafter's arithmetic decides only what is proposed, never what is committed (the
-target's verify pass decides every token), so running it on other kernels than ONNX Runtime's changes speed
-and, at most, which drafts are accepted.
+the mix's norms and projection (`MIXES`: how the kind mixes a row's token and feature), the int4 layer
+(`layer.*_proj`), the head's norm where it has one and its draft-vocabulary head (`lm_head.weight.T`), the
+embedding table; and EAGLE-3's fuse graph's int4 fc (`fc.weight`). A drafter's arithmetic decides only what is
+proposed, never what is committed (the target's verify pass decides every token), so running it on other
+kernels than ONNX Runtime's changes speed and, at most, which drafts are accepted.
 
-`feature_layer_unsupported(path)` says why a layer graph cannot run here (another kind's mix, float weights);
-the runtime then runs it on ONNX Runtime (runtime/drafters/features.py).
+`feature_layer_unsupported(path)` says why a layer graph cannot run here (a mix not in `MIXES`, such as the
+block drafter's mask rows; float weights); the runtime then runs it on ONNX Runtime
+(runtime/drafters/features.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,48 @@ from specrt.engines.tables import EmbeddingTable, tensor_array
 from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
-MIX_NORMS = ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight")  # EAGLE-3's mix
+# spn_set_norm's `which` for each norm a layer may have
+INPUT_NORM, POST_ATTENTION_NORM, HEAD_NORM, FEATURE_NORM, EMBED_NORM = range(5)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How one kind's layer graph mixes a row's token and feature (csrc/model.cpp `Mix`), by the names its
+    writer gives the weights (the kind's `graph_mix` in export/drafters/<kind>.py)."""
+
+    kind: str  # the drafter kind whose graphs have it
+    code: int  # spn_model_new's `feature`: 1 EAGLE-3's concat, 2 a projected mix
+    norms: dict[int, str]  # spn_set_norm `which` -> initializer name
+    required: tuple[int, ...]  # the norms a graph of the kind always has
+    projection: str = ""  # a projected mix's P over [embedding; feature] (its bias, where it has one, beside it)
+    refused: tuple[str, ...] = field(default=())  # initializers of a look-alike mix the kernels do not compute
+
+    def matches(self, names: set[str], by_weight: dict) -> bool:
+        if self.projection:  # int4 (its MatMulNBits) or float (refused as such by feature_layer_unsupported)
+            return self.projection + ".weight" in names or any(w.startswith(self.projection + ".weight_")
+                                                               for w in by_weight)
+        return all(self.norms[w] in names for w in self.required)
+
+
+MIXES = (
+    # concat(norm(embed), norm(feature)), q|k|v 2H wide; the block drafter's mask rows (Where) look alike
+    Mix("eagle3", 1, {INPUT_NORM: "midlayer.input_layernorm.weight", FEATURE_NORM: "midlayer.hidden_norm.weight"},
+        (INPUT_NORM, FEATURE_NORM), refused=("mask_embed", "mask_hidden")),
+    # fc(concat(embed, feature)) + bias, then the layer's input norm where the checkpoint keeps it (EAGLE-1 does not)
+    Mix("eagle", 2, {INPUT_NORM: "eagle.input_layernorm.weight"}, (), projection="eagle.fc"),
+    # eh_proj(concat(enorm(embed), hnorm(feature))), then the layer's input norm
+    Mix("mtp", 2, {EMBED_NORM: "mtp.enorm.weight", FEATURE_NORM: "mtp.hnorm.weight",
+                   INPUT_NORM: "mtp.input_layernorm.weight"}, (EMBED_NORM, FEATURE_NORM, INPUT_NORM),
+        projection="mtp.eh_proj"),
+)
+
+
+def graph_mix(names: set[str], by_weight: dict) -> Mix | None:
+    """The mix of a layer graph with initializers `names` and MatMulNBits nodes `by_weight`; None: not one of MIXES."""
+    for mix in MIXES:
+        if mix.matches(names, by_weight) and not any(n in names for n in mix.refused):
+            return mix
+    return None
 
 
 def _graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
@@ -46,18 +90,18 @@ def feature_layer_unsupported(path: Path, cfg: DecoderConfig) -> str:
     why = unsupported(cfg)
     if why:
         return f"its layer computes {why}"
-    model = onnx.load(str(path), load_external_data=False)
-    names = {t.name for t in model.graph.initializer}
-    if not all(n in names for n in MIX_NORMS):
-        return "its mix is not EAGLE-3's (norm(embed) ‖ norm(feature))"
+    model, inits, by_weight = _graph(path)
+    if graph_mix(set(inits), by_weight) is None:
+        return ("its mix is none the kernels compute (EAGLE-3's norm(embed) ‖ norm(feature), EAGLE's or MTP's "
+                "projection of embed ‖ feature)")
     if float_projections(model):
         return "it has float projections (export it with --quantize int4)"
     return ""
 
 
 class NativeFeatureLayer(NativeDecoder):
-    """The Decoder protocol over one EAGLE-3 layer (batch 1): `run_all(..., hidden_in=)` gives logits over the
-    draft vocabulary and the layer outputs; `fuse(aux)` is the fuse graph's fc on the same kernels."""
+    """The Decoder protocol over one drafter layer (batch 1): `run_all(..., hidden_in=)` gives logits over the
+    draft vocabulary and the layer outputs; `fuse(aux)` is EAGLE-3's fuse graph's fc on the same kernels."""
 
     def __init__(self, path: Path, fuse_path: Path | None, cfg: DecoderConfig, capacity: int, threads: int = 2,
                  kernel: str = "auto", embedding: EmbeddingTable | None = None):
@@ -72,6 +116,7 @@ class NativeFeatureLayer(NativeDecoder):
         self.path, self.cfg, self.capacity, self.batch, self.threads = Path(path), cfg, capacity, 1, threads
         self.taps = []
         _, inits, by_weight = _graph(path)
+        self.mix = graph_mix(set(inits), by_weight)
         arr = lambda name: np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)  # noqa: E731
         if "embed_tokens.weight" in inits:
             embedding = EmbeddingTable(dense=arr("embed_tokens.weight"))
@@ -82,18 +127,24 @@ class NativeFeatureLayer(NativeDecoder):
         self.vocab = head.n
         h = lib.spn_model_new(1, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                               self.embed.shape[0], float(cfg.rms_norm_eps), 1.0, library.KERNELS[self.kernel],
-                              int(threads), 1)
+                              int(threads), self.mix.code)
         if not h:
             raise SpecrtError(f"native backend: {library.last_error()}")
         self._h = h
         ok = calls.use_embed(lib, h, self.embed)
-        self._norms = [arr(MIX_NORMS[0]), arr("layer.post_attention_layernorm.weight"), arr("head.head_norm.weight"),
-                       arr(MIX_NORMS[1])]  # spn_set_norm's `which` order
-        for which, w in enumerate(self._norms):
-            ok &= calls.set_norm(lib, h, 0, which, w)
+        norms = {**self.mix.norms, POST_ATTENTION_NORM: "layer.post_attention_layernorm.weight",
+                 HEAD_NORM: "head.head_norm.weight"}
+        for which, name in norms.items():  # a norm the graph has not is the kernels' none (the mix allows it)
+            if name in inits:
+                ok &= calls.set_norm(lib, h, 0, which, arr(name))
         for which, name in enumerate(PROJECTIONS):
             ok &= calls.set_linear(lib, h, 0, which, int4_projection(path, inits, by_weight, f"layer.{name}.weight"))
         ok &= calls.set_linear(lib, h, -1, 0, head)
+        if self.mix.projection:
+            proj = int4_projection(path, inits, by_weight, self.mix.projection + ".weight")
+            if self.mix.projection + ".bias" in inits:
+                proj.bias = arr(self.mix.projection + ".bias")
+            ok &= calls.set_linear(lib, h, -1, 2, proj)
         self.rope_rows = capacity + 64
         ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
         if not ok:

@@ -37,7 +37,7 @@ class DraftModel(Drafter):
         self.shape = ctx.tree
         path, capacity = ctx.manifest.onnx_path(ctx.bundle, "draft"), ctx.capacity + ctx.tree.size
         # an int4 draft model runs on the target's kernels when the target runs natively (`drafter_layers`)
-        self.backend, self.record = layer_backend(path, entry.config, ctx.backend, decoder=True)
+        self.backend, self.record = layer_backend(path, entry.config, ctx.backend, graph="decoder")
         if self.backend == "native":
             from specrt.engines.native.runner import NativeDecoder
 

@@ -20,26 +20,32 @@ from specrt.errors import SpecrtError
 from specrt.schema.config import DecoderConfig
 
 NATIVE_TARGETS = ("native",)  # target backends whose drafters' layers run natively too, where they can
+# each kind of drafter graph the native kernels run, and what says why they cannot run one ((path, cfg) -> a
+# phrase, "" when they can)
+NATIVE_GRAPHS = {
+    "layer": "specrt.engines.native.feature:feature_layer_unsupported",  # EAGLE-1/2, EAGLE-3, MTP (MIXES)
+    "decoder": "specrt.engines.native.weights:decoder_unsupported",  # the draft model
+    "medusa": "specrt.engines.native.medusa:medusa_unsupported",  # Medusa's heads
+}
 
 
 def layer_backend(path, cfg: DecoderConfig, target_backend: str, requested: str = "auto",
-                  decoder: bool = False) -> tuple[str, dict]:
-    """Where a drafter layer graph runs, and the branch record (specrt/branches.py `drafter_layers`): under auto,
-    on the native kernels when the target does and the graph is one they compute (an int4 EAGLE-3 layer, or
-    with `decoder` an int4 draft model), else on ONNX Runtime. Either way the target's verify decides every
-    token: only the speed differs."""
+                  graph: str = "layer") -> tuple[str, dict]:
+    """Where a drafter graph of kind `graph` (NATIVE_GRAPHS) runs, and the branch record (specrt/branches.py
+    `drafter_layers`): under auto, on the native kernels when the target does and the graph is one they compute
+    (int4, of a form they run), else on ONNX Runtime. Either way the target's verify decides every token: only
+    the speed differs."""
     from specrt.branches import pick, record
 
     choice = pick("drafter_layers", requested)
     why = ""
     if choice.value != "ort":
         from specrt.engines.native import library
-        from specrt.engines.native.feature import feature_layer_unsupported
-        from specrt.engines.native.weights import decoder_unsupported
+        from specrt.kinds import resolve
 
         if choice.value == "auto" and target_backend not in NATIVE_TARGETS:
             return "ort", record(choice, "ort", f"the target runs on {target_backend}")
-        unsupported = decoder_unsupported if decoder else feature_layer_unsupported
+        unsupported = resolve(NATIVE_GRAPHS[graph])
         why = "no C++ compiler for the native kernels" if library.compiler() is None else unsupported(path, cfg)
     if choice.value == "native" and why:
         raise SpecrtError(f"drafter layers forced native ({choice.forced_by}) but {path} cannot run there: {why}; "

@@ -81,7 +81,8 @@ def runtime_options(f):
                      "only, so a tree draft is cut to its top-ranked path), ort-cuda (ONNX Runtime's CUDA provider, "
                      "onnxruntime-gpu), trt (TensorRT engines from `specrt build --backend trt`), ort-device (the "
                      "device path on the CPU, for tests). Drafters run on ONNX Runtime, CPU; under native, "
-                     "EAGLE-3 layers run on its kernels (SPECRT_DRAFTER_LAYERS)."),
+                     "EAGLE, EAGLE-3 and MTP layers, Medusa heads and the draft model run on its kernels "
+                     "(SPECRT_DRAFTER_LAYERS)."),
         click.option("--kv-dtype", type=click.Choice(["auto", "fp32", "fp16"]), default="auto", show_default=True,
                      help="The target's KV cache: fp16 halves the bytes attention reads per pass and the memory "
                      "per sequence (each key and value rounded to the nearest half as it is written; speculative "

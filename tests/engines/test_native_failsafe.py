@@ -148,6 +148,50 @@ class TestTheCEntryPoints:
                           1, one.ctypes.data, kv, 64 * 16, 64, out.ctypes.data, out.ctypes.data, None)
         assert rc != 0 and "no embedding table set" in library.last_error()
 
+    def test_a_drafter_mix_takes_only_its_own_weights(self, model):
+        """A decoder has no feature norm or mix projection; EAGLE-3's concat mix no embedding norm or projection; a
+        projected mix's P is 2H -> H; a mix code past the last is refused; a projected mix not given its P
+        cannot run."""
+        lib, h = model
+        norm = np.ones(64, np.float32)
+        proj = weights.Linear(128, 64, np.zeros((64, 4, 16), np.uint8), np.ones((64, 4), np.float32))
+        assert not calls.set_norm(lib, h, 0, 3, norm)
+        assert "only a drafter layer has a feature norm" in library.last_error()
+        assert not calls.set_linear(lib, h, -1, 2, proj)
+        assert "only a projected mix has a mix projection" in library.last_error()
+        assert not lib.spn_model_new(1, 64, 4, 2, 16, 96, 128, 1e-6, 1.0, 0, 1, 3)
+        assert "drafter mix 3 is not 0, 1 or 2" in library.last_error()
+        concat = lib.spn_model_new(1, 64, 4, 2, 16, 96, 128, 1e-6, 1.0, 0, 1, 1)
+        project = lib.spn_model_new(1, 64, 4, 2, 16, 96, 128, 1e-6, 1.0, 0, 1, 2)
+        try:
+            assert not calls.set_norm(lib, concat, 0, 4, norm)
+            assert "only a projected mix has an embedding norm" in library.last_error()
+            assert calls.set_norm(lib, project, 0, 4, norm) and calls.set_norm(lib, project, 0, 3, norm)
+            assert not calls.set_linear(lib, project, -1, 2, dataclasses.replace(proj, n=32, q=proj.q[:32],
+                                                                                 scales=proj.scales[:32]))
+            assert "mix projection: weights 128 x 32 where the model's dimensions give 128 x 64" in library.last_error()
+            assert calls.set_linear(lib, project, -1, 2, proj), library.last_error()
+            assert calls.use_embed(lib, project, EmbeddingTable(dense=np.zeros((128, 64), np.float32)))
+            fresh = lib.spn_model_new(1, 64, 4, 2, 16, 96, 128, 1e-6, 1.0, 0, 1, 2)
+            assert calls.use_embed(lib, fresh, EmbeddingTable(dense=np.zeros((128, 64), np.float32)))
+            one, f = np.zeros(1, np.int64), np.zeros((1, 64), np.float32)
+            out = np.zeros(128, np.float32)
+            kv = (ctypes.c_void_p * 2)(out.ctypes.data, out.ctypes.data)
+            rc = lib.spn_feature_pass(fresh, 1, one.ctypes.data, f.ctypes.data, None, 0, one.ctypes.data,
+                                      one.ctypes.data, np.ones(1, np.bool_).ctypes.data, 1, one.ctypes.data, kv, 8,
+                                      out.ctypes.data, out.ctypes.data)
+            assert rc != 0 and "no rotary table set" in library.last_error()
+            cos = np.ones((16, 8), np.float32)
+            assert calls.set_rope(lib, fresh, cos, cos)
+            rc = lib.spn_feature_pass(fresh, 1, one.ctypes.data, f.ctypes.data, None, 0, one.ctypes.data,
+                                      one.ctypes.data, np.ones(1, np.bool_).ctypes.data, 1, one.ctypes.data, kv, 8,
+                                      out.ctypes.data, out.ctypes.data)
+            assert rc != 0 and "no mix projection set" in library.last_error()
+            lib.spn_model_free(fresh)
+        finally:
+            lib.spn_model_free(concat)
+            lib.spn_model_free(project)
+
     def test_a_thread_count_past_the_limit_is_refused(self):
         lib = library.load()
         assert not lib.spn_model_new(1, 64, 4, 2, 16, 96, 128, 1e-6, 1.0, 0, 100000, 0)

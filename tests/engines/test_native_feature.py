@@ -1,6 +1,6 @@
-"""EAGLE-3 drafter layers on the native kernels: the same layer as ONNX Runtime's graph (within int8
-rounding), which backend runs a layer (the `drafter_layers` branch, both values), and every value of the branch
-lossless end to end on the int4 default configuration."""
+"""Drafter layers on the native kernels (EAGLE-3's concat mix, EAGLE's and MTP's projected mixes): the same layer
+as ONNX Runtime's graph (within int8 rounding), which backend runs a layer (the `drafter_layers` branch, both
+values), and every value of the branch lossless end to end on the int4 default configuration."""
 
 from __future__ import annotations
 
@@ -13,14 +13,20 @@ from specrt.runtime.drafters.features import layer_backend
 from specrt.schema.manifest import Manifest
 
 CAPACITY = 96
+NATIVE_KINDS = ("eagle3", "eagle", "mtp")  # each mix the kernels compute (engines/native/feature.py MIXES)
+
+
+def _layer(bundle, kind: str):
+    """(manifest, `kind`'s (first) layer path, its fuse path or None, layer config) of the trained int4 bundle."""
+    m = Manifest.load(bundle)
+    layer, *fuse = m.drafter(kind, bundle)["graphs"]
+    return (m, m.onnx_path(bundle, layer), m.onnx_path(bundle, fuse[0]) if fuse else None, m.graphs[layer].config)
 
 
 @pytest.fixture(scope="module")
 def layers(trained_int4_bundle):
-    """(manifest, EAGLE-3 layer path, fuse path, layer config) of the trained int4 bundle."""
-    m = Manifest.load(trained_int4_bundle)
-    layer, fuse = m.drafter("eagle3", trained_int4_bundle)["graphs"]
-    return m, m.onnx_path(trained_int4_bundle, layer), m.onnx_path(trained_int4_bundle, fuse), m.graphs[layer].config
+    """EAGLE-3's: (manifest, layer path, fuse path, layer config)."""
+    return _layer(trained_int4_bundle, "eagle3")
 
 
 def _passes(dec, rng, vocab, table=None):
@@ -42,17 +48,19 @@ def _passes(dec, rng, vocab, table=None):
 
 
 @pytest.mark.parametrize("kernel", list(library.KERNELS))
-def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle, kernel):
+@pytest.mark.parametrize("kind", NATIVE_KINDS)
+def test_the_native_layer_computes_the_graphs_layer(trained_int4_bundle, kind, kernel):
     from specrt.engines.native.feature import NativeFeatureLayer
     from specrt.engines.ort_cpu.runner import OrtDecoder
 
     if not library.supported(kernel):
         pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
-    m, layer, fuse, cfg = layers
+    m, layer, fuse, cfg = _layer(trained_int4_bundle, kind)
     from specrt.engines.tables import embedding_table
 
     table = embedding_table(trained_int4_bundle / m.target.file)  # the layer reads inputs_embeds
     native = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, kernel=kernel, embedding=table)
+    assert native.mix.kind == kind
     ort = OrtDecoder(layer, cfg, CAPACITY, 2, spin=False)
     vocab = m.target.config.vocab_size
     for (ln, hn), (lo, ho) in zip(_passes(native, np.random.default_rng(0), vocab),
@@ -62,6 +70,8 @@ def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle,
         assert np.abs(ln - lo).max() <= 0.02 * np.abs(lo).max(), np.abs(ln - lo).max()
         assert np.abs(hn - ho).max() <= 0.02 * np.abs(ho).max()
         assert (ln.argmax(-1) == lo.argmax(-1)).mean() >= 0.8
+    if fuse is None:  # EAGLE-3's fuse alone
+        return
     aux = np.random.default_rng(1).standard_normal((3, len(m.drafter("eagle3", layer.parents[1])["taps"])
                                                     * m.target.config.hidden_size)).astype(np.float32)
     import onnxruntime
@@ -70,6 +80,47 @@ def test_the_native_layer_computes_the_graphs_layer(layers, trained_int4_bundle,
         None, {"aux_hidden_states": aux[None]})[0][0]
     got = native.fuse(aux)
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kernel", list(library.KERNELS))
+def test_the_native_medusa_heads_compute_the_graphs_heads(trained_int4_bundle, kernel):
+    """Every head's blocks in one product, the shared head over the K rows in another: the graph's logits within
+    int8 rounding, for rows of one and of several hidden states."""
+    import onnxruntime
+
+    from specrt.engines.native.medusa import NativeMedusaHeads
+
+    if not library.supported(kernel):
+        pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
+    m = Manifest.load(trained_int4_bundle)
+    path = m.onnx_path(trained_int4_bundle, m.drafter("medusa", trained_int4_bundle)["graphs"][0])
+    native = NativeMedusaHeads(path, 2, kernel=kernel)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for rows in (1, 3):
+        hidden = np.random.default_rng(rows).standard_normal((rows, native.hidden)).astype(np.float32) * 2
+        got, want = native.run(hidden), session.run(None, {"hidden_in": hidden[None]})[0][0]
+        assert got.shape == want.shape == (rows, native.heads, native.vocab)
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    with pytest.raises(SpecrtError, match="read rows of"):
+        native.run(np.zeros((1, native.hidden + 1), np.float32))
+
+
+def test_medusa_heads_of_their_own_stay_on_onnx_runtime(trained_int4_bundle, tmp_path):
+    """A head per Medusa head (public checkpoints' layout) is not one product the kernels run: named, not read."""
+    import onnx
+
+    from specrt.engines.native.medusa import OWN_HEADS, NativeMedusaHeads, medusa_unsupported
+
+    m = Manifest.load(trained_int4_bundle)
+    path = m.onnx_path(trained_int4_bundle, m.drafter("medusa", trained_int4_bundle)["graphs"][0])
+    assert medusa_unsupported(path) == ""
+    model = onnx.load(str(path))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((1, 1, 1), np.float32), OWN_HEADS))
+    onnx.save(model, str(tmp_path / "medusa.onnx"))
+    assert medusa_unsupported(tmp_path / "medusa.onnx") == "its heads have LM heads of their own"
+    with pytest.raises(SpecrtError, match="cannot run these Medusa heads: its heads have LM heads of their own"):
+        NativeMedusaHeads(tmp_path / "medusa.onnx")
 
 
 def test_a_catch_up_fuses_the_tapped_rows_in_its_own_call(layers, trained_int4_bundle):
@@ -113,16 +164,23 @@ def test_the_branch_follows_the_target_and_the_layer(layers, trained_int4_bundle
     assert layer_backend(layer, cfg, "native")[0] == "native"
     assert layer_backend(layer, cfg, "ort") == ("ort", {"value": "ort", "forced": False,
                                                         "chosen_by": "auto: the target runs on ort"})
-    (mtp, *_) = m.drafter("mtp", trained_int4_bundle)["graphs"]  # another kind's mix: ONNX Runtime
-    name, rec = layer_backend(m.onnx_path(trained_int4_bundle, mtp), m.graphs[mtp].config, "native")
-    assert name == "ort" and "EAGLE-3" in rec["chosen_by"]
+    for kind in NATIVE_KINDS:
+        _, path, _, kind_cfg = _layer(trained_int4_bundle, kind)
+        assert layer_backend(path, kind_cfg, "native")[0] == "native", kind
+    (medusa,) = m.drafter("medusa", trained_int4_bundle)["graphs"]
+    assert layer_backend(m.onnx_path(trained_int4_bundle, medusa), m.graphs[medusa].config, "native",
+                         graph="medusa")[0] == "native"
+    # the block drafter's mask rows (a learned embedding and feature where the id is -1): ONNX Runtime
+    (block, *_) = m.drafter("block", trained_int4_bundle)["graphs"]
+    name, rec = layer_backend(m.onnx_path(trained_int4_bundle, block), m.graphs[block].config, "native")
+    assert name == "ort" and "its mix is none the kernels compute" in rec["chosen_by"]
     monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", "ort")
     assert layer_backend(layer, cfg, "native") == ("ort", {"value": "ort", "forced": True,
                                                            "chosen_by": "SPECRT_DRAFTER_LAYERS"})
     monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", "native")
     assert layer_backend(layer, cfg, "ort")[0] == "native"  # forced: even under another target backend
-    with pytest.raises(SpecrtError, match="cannot run there: its mix is not EAGLE-3's"):
-        layer_backend(m.onnx_path(trained_int4_bundle, mtp), m.graphs[mtp].config, "native")
+    with pytest.raises(SpecrtError, match="cannot run there: its mix is none the kernels compute"):
+        layer_backend(m.onnx_path(trained_int4_bundle, block), m.graphs[block].config, "native")
 
 
 @pytest.mark.parametrize("layers_on", ["native", "ort"])
@@ -146,6 +204,39 @@ def test_eagle3_is_lossless_with_either_layer_backend(trained_int4_bundle, layer
         assert catch_up * got.stats.steps <= got.stats.draft_calls <= got.stats.steps * (catch_up + gen.drafter.depth - 1)
 
 
+# EAGLE-2 over EAGLE-1/2's layer in a 10-node tree, whose drafts the briefly trained head gets accepted; MTP's chain
+# of modules, each a layer of its own; Medusa's heads in its static tree
+PROJECTED = {"eagle2": {"tree_nodes": 10, "beam": 4}, "mtp": {}, "medusa": {}}
+
+
+def _backends(drafter) -> list[str]:
+    """Where each of a drafter's graphs runs: its layers', or its own (Medusa's heads)."""
+    layers = getattr(drafter, "layers", None) or [getattr(drafter, "layer", drafter)]
+    return [layer.backend for layer in layers]
+
+
+@pytest.mark.parametrize("layers_on", ["native", "ort"])
+@pytest.mark.parametrize("drafter", list(PROJECTED))
+def test_projected_mixes_and_medusa_are_lossless_with_either_backend(trained_int4_bundle, drafter, layers_on,
+                                                                     monkeypatch):
+    from specrt.runtime.generate import Generator
+
+    monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", layers_on)
+    gen = Generator(trained_int4_bundle, drafter=drafter, max_seq_len=256, backend="native", **PROJECTED[drafter])
+    backends = _backends(gen.drafter)
+    assert backends == [layers_on] * len(backends)
+    plain = Generator(trained_int4_bundle, drafter="plain", max_seq_len=256, backend="native")
+    accepted = 0
+    for prompt in ("Name three colours.", "Write one sentence about the sea."):
+        ids = gen.tokenizer.encode_prompt(prompt)
+        got, want = gen.generate_ids(ids, 48), plain.generate_ids(ids, 48)
+        assert got.token_ids == want.token_ids
+        # the graphs really ran: a call or more each step (but a last one with no room left to draft)
+        assert got.stats.draft_calls >= got.stats.steps - 1
+        accepted += got.stats.accepted
+    assert accepted > 0 or not PROJECTED[drafter]  # a tree's drafts are accepted somewhere
+
+
 @pytest.mark.parametrize("layers_on", ["native", "ort"])
 def test_the_draft_model_is_lossless_on_either_backend(trained_int4_bundle, layers_on, monkeypatch):
     """The int4 draft model runs on the target's kernels under auto when the target does (`drafter_layers`,
@@ -156,8 +247,8 @@ def test_the_draft_model_is_lossless_on_either_backend(trained_int4_bundle, laye
     m = Manifest.load(trained_int4_bundle)
     path, cfg = m.onnx_path(trained_int4_bundle, "draft"), m.graphs["draft"].config
     monkeypatch.delenv("SPECRT_DRAFTER_LAYERS", raising=False)
-    assert layer_backend(path, cfg, "native", decoder=True)[0] == "native"
-    assert layer_backend(path, cfg, "ort", decoder=True)[0] == "ort"
+    assert layer_backend(path, cfg, "native", graph="decoder")[0] == "native"
+    assert layer_backend(path, cfg, "ort", graph="decoder")[0] == "ort"
     monkeypatch.setenv("SPECRT_DRAFTER_LAYERS", layers_on)
     gen = Generator(trained_int4_bundle, drafter="draft", max_seq_len=256, backend="native", num_draft_tokens=3)
     assert gen.drafter.backend == layers_on and gen.drafter.record["value"] == layers_on

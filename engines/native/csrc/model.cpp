@@ -129,9 +129,16 @@ struct Layer {
   OwnedWeight qkv, o, gate_up, down;
 };
 
+// How a drafter layer (spn_feature_pass) mixes a row's token and feature before its attention:
+//   kConcat   EAGLE-3: q|k|v read concat(norm(embed), norm(feature)) (2H wide); the residual is the feature
+//   kProject  EAGLE-1/2 and MTP: x = P·concat([norm](embed), [norm](feature)) (+ bias), the residual; q|k|v
+//             read [input norm](x). The bracketed norms are optional (EAGLE-1 has none, MTP all three).
+enum Mix { kNoMix = 0, kConcat = 1, kProject = 2, kMixCount = 3 };
+
 struct Model {
   int L = 0, H = 0, nh = 0, kvh = 0, d = 0, I = 0, V = 0;
-  bool feature = false;  // an EAGLE-3 drafter layer (spn_feature_pass): q|k|v reads its 2H-wide mix
+  int mix = kNoMix;      // a decoder (spn_pass), or a drafter layer's Mix
+  bool feature = false;  // a drafter layer (mix != kNoMix)
   bool kv_half = false;  // the KV cache holds IEEE halves (spn_set_kv_half), else floats
   float eps = 0, embed_scale = 1;
   Isa isa = kScalar;
@@ -144,10 +151,12 @@ struct Model {
   const float* embed_scales = nullptr;
   int embed_block = 0;
   std::vector<float> hidden_norm;  // a feature layer's norm of its feature input (spn_set_norm which 3)
+  std::vector<float> embed_norm;   // a kProject layer's norm of its embedding row (spn_set_norm which 4)
   int rope_rows = 0;
   std::vector<Layer> layers;
   OwnedWeight head;
   OwnedWeight fuse;  // a feature layer's fuse fc: the target's tapped rows [n·H] -> its features [H] (optional)
+  OwnedWeight mix_proj;  // a kProject layer's P [2H -> H]
   std::vector<int> taps;
   // scratch, grown to the largest pass seen
   std::vector<float> x, h, mixed, fused, qkv, attn, gu, act, rows, scores;
@@ -404,9 +413,17 @@ pool.barrier();
   });
 }
 
-// An EAGLE-3 drafter layer (export/drafters/eagle3.py): the attention reads concat(norm(embed(id)),
-// norm(feature)) (2H wide), the residual is the feature; `hidden` gets the layer output, the head reads its
-// norm (the final norm). Its arithmetic decides only what is proposed: the target's verify decides every token.
+// `n` floats of `x` normed by `w` into `out`, or copied where the norm is absent (an empty `w`).
+static void norm_or_copy(const Ops& ops, const float* x, int n, const std::vector<float>& w, float eps, float* out) {
+  if (w.empty())
+    std::memcpy(out, x, n * sizeof(float));
+  else
+    ops.rmsnorm_row(x, n, w.data(), eps, out);
+}
+
+// A drafter layer (export/drafters/eagle3.py, eagle.py, mtp.py): the rows' token and feature mixed (Mix), one
+// decoder layer; `hidden` gets the layer output, the head reads its norm (the final norm; none where unset).
+// Its arithmetic decides only what is proposed: the target's verify decides every token.
 static void run_feature_pass(Model& m, const PassArgs& p) {
   const int M = p.lay->M, H = m.H, nq = m.nh * m.d;
   const Ops ops = ops_for(m.isa);
@@ -417,6 +434,7 @@ static void run_feature_pass(Model& m, const PassArgs& p) {
   m.mixed.resize(static_cast<size_t>(M) * 2 * H);
   if (fuse) m.fused.resize(static_cast<size_t>(M) * H);
   const float* features = fuse ? m.fused.data() : p.hidden_in;
+  const bool concat = m.mix == kConcat;
   m.pool->run([&](int tid, int nt) {
     Pool& pool = *m.pool;
     int lo, hi;
@@ -426,17 +444,29 @@ static void run_feature_pass(Model& m, const PassArgs& p) {
       const float* f = features + static_cast<size_t>(r) * H;
       float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
       float* xr = m.x.data() + static_cast<size_t>(r) * H;
-      embed_row(m, p.ids[r], xr);  // the row's x is the feature, once the embedding row is normed
-      ops.rmsnorm_row(xr, H, m.layers[0].ln1.data(), m.eps, mr);
-      ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
-      std::memcpy(xr, f, H * sizeof(float));
+      embed_row(m, p.ids[r], xr);
+      if (concat) {  // the row's x is the feature, once the embedding row is normed
+        ops.rmsnorm_row(xr, H, m.layers[0].ln1.data(), m.eps, mr);
+        ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
+        std::memcpy(xr, f, H * sizeof(float));
+      } else {
+        norm_or_copy(ops, xr, H, m.embed_norm, m.eps, mr);
+        norm_or_copy(ops, f, H, m.hidden_norm, m.eps, mr + H);
+      }
     }
 pool.barrier();
-    attention_mlp(m, 0, p, m.mixed.data(), 2 * H, tid, nt, ops);
+    if (!concat) {  // x = P·mixed, then the layer's input norm
+      linear(m, m.mix_proj, m.mixed.data(), M, 2 * H, m.x.data(), tid, nt, ops);
+      for (int r = lo; r < hi; ++r)
+        norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.layers[0].ln1, m.eps,
+                     m.h.data() + static_cast<size_t>(r) * H);
+pool.barrier();
+    }
+    attention_mlp(m, 0, p, concat ? m.mixed.data() : m.h.data(), concat ? 2 * H : H, tid, nt, ops);
     for (int r = lo; r < hi; ++r) {
       std::memcpy(p.hidden + static_cast<size_t>(r) * H, m.x.data() + static_cast<size_t>(r) * H, H * sizeof(float));
-      ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
-                      m.h.data() + static_cast<size_t>(r) * H);
+      norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm, m.eps,
+                   m.h.data() + static_cast<size_t>(r) * H);
     }
 pool.barrier();
     head_rows(m, p, m.h.data(), tid, nt, ops);
@@ -456,16 +486,20 @@ static std::string dims(const char* what, long long a, long long b) {
   return std::string(what) + " " + std::to_string(a) + " x " + std::to_string(b);
 }
 
-// The [K, N] a projection slot must have: which 0 q|k|v, 1 o, 2 gate|up, 3 down; layer -1 the LM head. A feature
-// layer's q|k|v reads 2H (its mix) and its head has a draft vocabulary of its own: K given, N any (0).
+// The [K, N] a projection slot must have: which 0 q|k|v, 1 o, 2 gate|up, 3 down; layer -1 which 0 the LM head,
+// which 2 a kProject layer's P (2H -> H). A kConcat layer's q|k|v reads 2H (its mix), and a feature layer's head
+// has a draft vocabulary of its own: K given, N any (0).
 static void expected_shape(const Model& m, int layer, int which, long long& K, long long& N) {
   const long long H = m.H, nq = static_cast<long long>(m.nh) * m.d, nqkv = static_cast<long long>(m.nh + 2 * m.kvh) * m.d;
   if (layer < 0) {
-    K = H, N = m.feature ? 0 : m.V;
+    if (which == 2)
+      K = 2 * H, N = H;
+    else
+      K = H, N = m.feature ? 0 : m.V;
     return;
   }
   switch (which) {
-    case 0: K = m.feature ? 2 * H : H, N = nqkv; return;
+    case 0: K = m.mix == kConcat ? 2 * H : H, N = nqkv; return;
     case 1: K = nq, N = H; return;
     case 2: K = H, N = 2LL * m.I; return;
     default: K = m.I, N = H; return;
@@ -473,20 +507,24 @@ static void expected_shape(const Model& m, int layer, int which, long long& K, l
 }
 
 static const OwnedWeight* slot(const Model& m, int layer, int which) {
-  if (layer < 0) return which == 1 ? &m.fuse : &m.head;
+  if (layer < 0) return which == 1 ? &m.fuse : which == 2 ? &m.mix_proj : &m.head;
   const Layer& l = m.layers[layer];
   return which == 0 ? &l.qkv : which == 1 ? &l.o : which == 2 ? &l.gate_up : &l.down;
 }
 
-// Every weight a pass reads is set, with the shapes the model's dimensions give.
+// Every weight a pass reads is set, with the shapes the model's dimensions give. A kProject layer's norms but the
+// post-attention one are optional (export/drafters: EAGLE-1 has no input norm and its head reads the layer output).
 static bool complete(const Model& m) {
+  const bool project = m.mix == kProject;
   if (!check(m.embed_rows != nullptr || m.embed_codes != nullptr, "no embedding table set") ||
-      !check(static_cast<int>(m.final_norm.size()) == m.H, "no final norm set") ||
+      !check(project || static_cast<int>(m.final_norm.size()) == m.H, "no final norm set") ||
       !check(m.rope_rows > 0, "no rotary table set") ||
-      !check(!m.feature || static_cast<int>(m.hidden_norm.size()) == m.H, "no feature norm set"))
+      !check(m.mix != kConcat || static_cast<int>(m.hidden_norm.size()) == m.H, "no feature norm set") ||
+      !check(!project || m.mix_proj.packed != nullptr, "no mix projection set"))
     return false;
   for (int l = 0; l < m.L; ++l) {
-    if (!check(static_cast<int>(m.layers[l].ln1.size()) == m.H && static_cast<int>(m.layers[l].ln2.size()) == m.H,
+    if (!check((project || static_cast<int>(m.layers[l].ln1.size()) == m.H) &&
+                   static_cast<int>(m.layers[l].ln2.size()) == m.H,
                "layer " + std::to_string(l) + ": norms not set"))
       return false;
     for (int which = 0; which < 4; ++which)
@@ -507,7 +545,8 @@ const char* spn_last_error() { return g_error.c_str(); }
 
 int spn_isa_supported(int isa) { return isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)); }
 
-// feature: 1 for an EAGLE-3 drafter layer (spn_feature_pass), 0 for a decoder (spn_pass).
+// feature: 0 for a decoder (spn_pass), else a drafter layer's Mix (spn_feature_pass): 1 EAGLE-3's concat, 2 a
+// projected mix (EAGLE-1/2, MTP).
 void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float eps, float embed_scale, int isa,
                     int threads, int feature) {
   if (!check(isa >= 0 && isa < kIsaCount && isa_supported(static_cast<Isa>(isa)), "kernel not supported here") ||
@@ -518,12 +557,13 @@ void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float ep
       !check(d % 2 == 0, "head_dim " + std::to_string(d) + " is odd") ||
       !check(threads >= 1 && threads <= kMaxThreads, "threads " + std::to_string(threads) + " outside 1.." +
                                                          std::to_string(kMaxThreads)) ||
+      !check(feature >= 0 && feature < kMixCount, "drafter mix " + std::to_string(feature) + " is not 0, 1 or 2") ||
       !check(!feature || L == 1, "a feature layer is one layer"))
     return nullptr;
   std::unique_ptr<Model> m;
   try {
     m = std::make_unique<Model>();
-    m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V, m->feature = feature != 0;
+    m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V, m->mix = feature, m->feature = feature != 0;
     m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
     m->layers = std::vector<Layer>(L);
     m->pool = shared_pool(threads);
@@ -589,15 +629,18 @@ int spn_use_embed_blocks(void* h, const uint8_t* codes, int64_t n_codes, const f
 }
 
 // which: 0 input norm, 1 post-attention norm of layer `layer`; 2 the final norm; 3 a feature layer's norm of
-// its feature input. n: the weights' length (hidden_size).
+// its feature input; 4 a kProject layer's norm of its embedding row. n: the weights' length (hidden_size).
 int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
   Model* m = static_cast<Model*>(h);
-  if (!check(which >= 0 && which <= 3, "norm kind out of range") ||
+  if (!check(which >= 0 && which <= 4, "norm kind out of range") ||
       !check(which >= 2 || (layer >= 0 && layer < m->L), "layer out of range") ||
+      !check(which < 3 || m->feature, "only a drafter layer has a feature norm") ||
+      !check(which != 4 || m->mix == kProject, "only a projected mix has an embedding norm") ||
       !check(w != nullptr && n == m->H, "norm of " + std::to_string(n) + " weights for hidden size " +
                                             std::to_string(m->H)))
     return 1;
-  std::vector<float>& dst = which == 3   ? m->hidden_norm
+  std::vector<float>& dst = which == 4   ? m->embed_norm
+                            : which == 3 ? m->hidden_norm
                             : which == 2 ? m->final_norm
                             : which == 0 ? m->layers[layer].ln1
                                          : m->layers[layer].ln2;
@@ -630,21 +673,22 @@ static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_byte
 }
 
 // which: 0 q|k|v, 1 o, 2 gate|up, 3 down of layer `layer`; layer -1: which 0 the LM head, which 1 a feature
-// layer's fuse fc (K a multiple of H: the tapped layers' rows side by side; N = H)
+// layer's fuse fc (K a multiple of H: the tapped layers' rows side by side; N = H), which 2 a kProject layer's P
 int spn_set_linear(void* h, int layer, int which, int format, int K, int N, const uint8_t* q, int64_t q_bytes,
                    const float* scales, int64_t n_scales, const float* mins, int64_t n_mins, const float* bias,
                    int64_t n_bias) {
   Model* m = static_cast<Model*>(h);
   if (!check(layer == -1 || (layer >= 0 && layer < m->L), "layer out of range") ||
-      !check(which >= 0 && which <= (layer < 0 ? 1 : 3), "projection kind out of range") ||
-      !check(layer >= 0 || which == 0 || m->feature, "only a feature layer has a fuse projection"))
+      !check(which >= 0 && which <= (layer < 0 ? 2 : 3), "projection kind out of range") ||
+      !check(layer >= 0 || which != 1 || m->feature, "only a feature layer has a fuse projection") ||
+      !check(layer >= 0 || which != 2 || m->mix == kProject, "only a projected mix has a mix projection"))
     return 1;
   long long wantK, wantN;
   expected_shape(*m, layer, which, wantK, wantN);
   if (layer < 0 && which == 1)  // the fuse: any number of tapped layers
     wantK = K > 0 && K % m->H == 0 ? K : m->H, wantN = m->H;
   if (!check(K == wantK && (wantN == 0 || N == wantN),
-             (layer < 0 ? std::string(which == 1 ? "fuse" : "LM head")
+             (layer < 0 ? std::string(which == 1 ? "fuse" : which == 2 ? "mix projection" : "LM head")
                         : "layer " + std::to_string(layer) + " projection " +
                                                        std::to_string(which)) +
                  ": " + dims("weights", K, N) + " where the model's dimensions give " + std::to_string(wantK) +
@@ -800,7 +844,7 @@ int spn_pass_ragged(void* h, int B, const int64_t* rows, const int64_t* nlogits,
                           aux, nullptr, nullptr, &lay});
 }
 
-// One pass of an EAGLE-3 drafter layer (a model of one layer, with its hidden norm set) over one sequence's
+// One pass of a drafter layer (a model of one layer made with a Mix, its weights set) over one sequence's
 // T rows: token ids and their features, given (`hidden_in` [T, H]) or fused first from the target's tapped
 // rows (`aux_in` [T, fuse K], aux_len floats; the fuse set as layer -1 which 1): exactly one of the two.
 // `hidden` gets the layer outputs [T, H].
