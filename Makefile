@@ -15,7 +15,7 @@ BUNDLE ?= $(SPECRT_HOME)/bundles/smollm2-135m-instruct
 QUANTIZE ?= int4
 FP32_BUNDLE ?= $(SPECRT_HOME)/bundles/smollm2-135m-instruct-fp32
 PROMPT ?= Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate on Tuesday.
-DRAFTER ?= ngram
+DRAFTER ?= eagle3-suffix
 THREADS ?= 2
 SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -name '*.jsonl' 2>/dev/null)
 # Learned drafters: `make train` writes $(SPECRT_HOME)/drafters/KIND; `make export` adds every one found.
@@ -149,17 +149,19 @@ distclean: clean
 gpu-check: setup
 	$(PY) scripts/gpu_check.py --out $(SPECRT_HOME)/gpu_check
 
-# The OpenAI-compatible server over the default bundle (Ctrl-C to stop); PORT, SLOTS, DRAFTER.
+# The OpenAI-compatible server over the default bundle (Ctrl-C to stop); PORT, SLOTS, SERVE_DRAFTER (many users
+# share each pass there: the serving tables measured ngram, not the batch-1 default above).
 PORT ?= 8000
 SLOTS ?= 16
+SERVE_DRAFTER ?= ngram
 # The fastest exact serving here: auto, the native backend for the int4 bundle (docs/performance.md)
 SERVE_BACKEND ?= auto
 serve: build
-	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(DRAFTER) --threads $(THREADS) \
+	$(SPECRT) serve $(BUNDLE) --port $(PORT) --slots $(SLOTS) --drafter $(SERVE_DRAFTER) --threads $(THREADS) \
 		--backend $(SERVE_BACKEND)
 
 # A real Triton Inference Server (nvidia-pytriton's tritonserver, CPU) over the default bundle (Ctrl-C to stop):
-# HTTP on PORT, gRPC on PORT+1, metrics on PORT+2; INSTANCES, DRAFTER. nvidia-pytriton goes in without its
+# HTTP on PORT, gRPC on PORT+1, metrics on PORT+2; INSTANCES, SERVE_DRAFTER. nvidia-pytriton goes in without its
 # dependencies: specrt runs only its binary, and its numpy<2 pin would replace this venv's numpy.
 INSTANCES ?= 1
 $(VENV)/.triton-server: $(VENV)/.installed
@@ -168,7 +170,7 @@ $(VENV)/.triton-server: $(VENV)/.installed
 
 serve-triton: $(BUNDLE)/manifest.json $(VENV)/.triton-server
 	$(SPECRT) serve-triton $(BUNDLE) --http-port $(PORT) --grpc-port $$(($(PORT) + 1)) \
-		--metrics-port $$(($(PORT) + 2)) --instances $(INSTANCES) --drafter $(DRAFTER) --threads $(THREADS)
+		--metrics-port $$(($(PORT) + 2)) --instances $(INSTANCES) --drafter $(SERVE_DRAFTER) --threads $(THREADS)
 
 # 200 mixed requests at concurrency 16 (chat/completions, streamed or not, greedy and sampled) with each of
 # LOAD_DRAFTERS: every greedy response held to single-request plain decoding; p50/p95 latency, RSS.

@@ -236,11 +236,16 @@ class Suffix(Drafter):
 
     # ── drafting ────────────────────────────────────────────────────────────────────────────
     def propose(self, tokens, max_nodes, max_depth, sampling, rng) -> Proposal:
+        return self.scored(tokens, max_nodes, max_depth)[0]
+
+    def scored(self, tokens: list[int], max_nodes: int, max_depth: int) -> tuple[Proposal, float]:
+        """The draft `propose` gives and its score: the tokens it expects accepted, were the counts the truth
+        (a store draft's score weighted by STORE_WEIGHT)."""
         self._sync(tokens)
         depth, nodes = min(self.depth, max_depth), min(self.nodes, max_nodes)
         best, best_score = Proposal(), 0.0
         if depth <= 0 or nodes <= 0 or not tokens:
-            return best
+            return best, best_score
         store = self.store.index()
         # each corpus on its own, this sequence first: the store's counts never dilute this sequence's,
         # and a draft from the store wins only with more than 1/STORE_WEIGHT times this sequence's score
@@ -258,4 +263,4 @@ class Suffix(Drafter):
                 score *= weight
                 if score > best_score + TIE:
                     best, best_score = prop, score
-        return best
+        return best, best_score

@@ -112,6 +112,9 @@ def runtime_options(f):
         click.option("--suffix-min-prob", type=FiniteFloatRange(min=0, max=1), default=None,
                      help="suffix drafter: the least path probability (its continuation counts) a drafted node "
                           "may have (default 0.1)."),
+        click.option("--suffix-threshold", type=FiniteFloatRange(min=0), default=None,
+                     help="eagle3-suffix: the tokens the suffix tree must expect accepted (its score times this "
+                          "sequence's record of suffix drafts) to draft a step instead of the head (default 1.0)."),
         click.option("--tree-nodes", type=click.IntRange(min=1, max=64), default=None,
                      help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default, with no --beam "
                           "either: a chain sized to this machine's verify costs and the head's acceptance)."),
@@ -145,7 +148,7 @@ TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
                    backend="auto", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
-                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto"):
+                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto", suffix_threshold=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
     `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
@@ -165,8 +168,8 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      tree_nodes=given["tree_nodes"], beam=given["beam"], slots=slots,
                      backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
                      kv_dtype=kv_dtype, auto_candidates=auto_candidates.split(",") if auto_candidates else None,
-                     **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob))
-                        if v is not None})
+                     **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob),
+                                          ("suffix_threshold", suffix_threshold)) if v is not None})
 
 
 def sampling_params(temperature, top_k, top_p, seed):

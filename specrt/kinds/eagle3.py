@@ -4,7 +4,9 @@ from specrt.kinds import DrafterSpec, Training
 
 SPEC = DrafterSpec(
     name="eagle3", order=5, summary="fused low/mid/high target features, reduced draft vocabulary, dynamic tree",
-    runtime={"eagle3": "specrt.runtime.drafters.eagle:Eagle3"}, search={"eagle3": "dynamic"},
+    runtime={"eagle3": "specrt.runtime.drafters.eagle:Eagle3",
+             "eagle3-suffix": "specrt.runtime.drafters.hybrid:Eagle3SuffixFirst"},
+    search={"eagle3": "dynamic"},
     config="specrt.export.drafters.eagle3:Eagle3Config", module="specrt.export.drafters.eagle3:Eagle3Head",
     shares_lm_head=lambda cfg: False,
     graphs="specrt.export.drafters.eagle3:eagle3_graphs",

@@ -32,8 +32,9 @@ OTHER_SHAPES = [("ngram", "default"), ("draft", "default"), ("medusa", "chain"),
 INT4 = [(d, None) for d in runtime_drafters() if d != "plain"] + OTHER_SHAPES
 FP32 = [("ngram", None), ("ngram", "default"), ("eagle3", None)]
 CASES = [("int4", d, t) for d, t in INT4] + [("fp32", d, t) for d, t in FP32]
-# every kind served (its first runtime drafter), on the default int4 bundle; ngram on fp32 too
-SERVED = [("int4", next(iter(spec.runtime))) for spec in kinds().values()] + [("fp32", "ngram")]
+# every kind served (its first runtime drafter), on the default int4 bundle; ngram on fp32 too; eagle3-suffix
+# (its slots share one suffix store)
+SERVED = [("int4", next(iter(spec.runtime))) for spec in kinds().values()] + [("fp32", "ngram"), ("int4", "eagle3-suffix")]
 BUNDLES = ["int4", "fp32"]
 
 
