@@ -61,7 +61,7 @@ class SuffixFirst(Drafter):
     def _new_sequence(self) -> None:
         self.scored = self.accepted = 0.0  # this sequence's suffix drafts: their scores, their accepted nodes
         self._pending: tuple[int, Proposal] | None = None  # (committed length, draft) of a suffix step
-        self._length = 0
+        self._length, self._last = 0, None  # the sequence observed last: its length and last token
 
     @property
     def record(self) -> float:
@@ -76,19 +76,23 @@ class SuffixFirst(Drafter):
     def engine_calls(self) -> int:
         return self.model.engine_calls
 
-    def __getattr__(self, name: str):  # the learned drafter's layers, depth, … (stats, tests, `_layer_of`)
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
+    @property
+    def layer(self):
+        """The learned drafter's layer (where it has one): `--json` reports where it runs."""
+        return getattr(self.model, "layer", None)
+
+    @property
+    def layers(self):
+        return getattr(self.model, "layers", None)
 
     def observe(self, tokens: list[int], state=None) -> None:
-        if len(tokens) < self._length:  # another sequence (the generator reused)
-            self._new_sequence()
+        if len(tokens) < self._length or (self._length and tokens[self._length - 1] != self._last):
+            self._new_sequence()  # another sequence (the generator reused for the next prompt)
         if self._pending is not None:
             start, draft = self._pending
             self.accepted += accepted_of(draft, list(tokens[start:]))
             self._pending = None
-        self._length = len(tokens)
+        self._length, self._last = len(tokens), tokens[-1] if tokens else None
         self.suffix.observe(tokens)
         self.model.observe(tokens, state)
 

@@ -99,6 +99,9 @@ def test_rejected_suffix_drafts_hand_the_sequence_to_the_head_and_a_new_one_star
     assert used[0] and not all(used)  # the suffix drafted first, then lost the sequence to the head
     assert d.accepted == 0 and d.record == pytest.approx(PRIOR / (d.scored + PRIOR)) and d.record < 1
     assert d.model.observed[-1] == len(tokens)  # the head kept up with every committed token
+    step(d, list(range(500, 600)), [3])  # longer, but not this sequence's continuation: another prompt
+    assert d.scored == d.accepted == 0 and d.record == 1
+    d.scored = 5.0
     step(d, [7, 8], [9])  # a shorter sequence: another prompt
     assert d.scored == d.accepted == 0 and d.record == 1
 
