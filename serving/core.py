@@ -161,6 +161,7 @@ class SchedulerCore:
         self.mix_chunks = gen.model.ragged if mix_chunks is None else mix_chunks
         self.slots = [self._new_slot(i) for i in range(n_slots)]
         self.batch_windows = backend_entry(gen.backend).batch_windows
+        self.ragged = gen.model.ragged  # passes priced by their total rows (pass_policy.py)
         self.costs, self.yields = pass_policy.PassCosts(), pass_policy.Yield()
         self.plans = {"batched": 0, "drafted": 0, "windows": 0}  # steps of each plan (pass_policy.py)
         self.steps = 0  # decode passes run
@@ -267,7 +268,7 @@ class SchedulerCore:
             return "batched"
         batch = live[-1].index - live[0].index + 1
         return pass_policy.choose([s.index for s in live], batch, {s.index: s.window_rows for s in live},
-                                  self.costs, self.yields, self.batch_windows)
+                                  self.costs, self.yields, self.batch_windows, self.ragged)
 
     def _decode_pass(self, group: list[Slot], depth_cap: int | None, events: list[Event]) -> BatchPass | None:
         """One pass over `group`'s windows (each drafting at most `depth_cap` deep), over the KV slot range
@@ -322,8 +323,8 @@ class SchedulerCore:
         self.steps += 1
         self.batch_sizes.append(len(bp.decoding))
         if bp.chunk is None:
-            self.costs.observe(len(bp.windows), max(len(bp.windows[b - bp.start].window) for b in bp.slots),
-                               out.seconds)
+            rows = [len(bp.windows[b - bp.start].window) for b in bp.slots]
+            self.costs.observe(len(bp.windows), pass_policy.pass_rows(rows, self.ragged), out.seconds)
         for b in bp.decoding:
             slot, i = self.slots[b], b - bp.start
             p = bp.windows[i]

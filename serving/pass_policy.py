@@ -12,7 +12,10 @@ and on one that batches windows (`ort`) one of
     windows   ONE pass over all n slots, each its draft, padded to the longest   Σ E_s / c(n, max T_s)
 
 c(b, t) is the measured seconds of a pass over b sequences of t rows each (`PassCosts`: what this
-scheduler's passes took, smoothed), E_s the tokens a drafted pass commits for slot s (its own
+scheduler's passes took, smoothed). On a backend whose passes are ragged (`native`: each sequence's rows
+one after the other, no padding) a pass costs what its rows do, so there c(b, t) is keyed by the pass's
+total rows t: batched n tokens / c(b, n), windows Σ E_s / c(b, Σ T_s) (b: the slot range the pass spans,
+whose idle slots run no rows). E_s is the tokens a drafted pass commits for slot s (its own
 smoothed record, starting from the server's). The plan with more tokens per second runs. So
 speculation backs off as the batch fills: drafting pays while few sequences decode (a batch-1 pass
 of T rows costs little more than one of a single row), batching once the single-row pass over many
@@ -70,15 +73,16 @@ class Yield:
 
 
 def choose(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts, yields: Yield,
-           batch_windows: bool = False) -> str:
+           batch_windows: bool = False, ragged: bool = False) -> str:
     """"batched", or the drafts' plan — "windows" where the backend batches windows, else "drafted" — for a
     step over decoding `slots` (more than one); `batch`: the sequences the batched pass would span (the KV
     slot range, idle slots in it included); `window_rows[s]`: the rows slot s's draft would have (its last
-    one). A plan whose cost is not measured yet is explored first."""
-    batched = costs.get(batch, 1)
+    one); `ragged`: the backend's passes are ragged and `costs` keyed by total rows (pass_rows). A plan whose
+    cost is not measured yet is explored first."""
+    batched = costs.get(batch, len(slots) if ragged else 1)
     if batched is None:
         return "batched"
-    plan, cost = ("windows", _windows_cost) if batch_windows else ("drafted", _drafted_cost)
+    plan, cost = ("windows", _ragged_cost if ragged else _windows_cost) if batch_windows else ("drafted", _drafted_cost)
     seconds = cost(slots, batch, window_rows, costs)
     if seconds is None:
         return plan
@@ -91,6 +95,21 @@ def _windows_cost(slots: list[int], batch: int, window_rows: dict[int, int], cos
     if not any(b == batch and t > 1 for b, t in costs.seconds):
         return None
     return costs.get(batch, max(window_rows[s] for s in slots))
+
+
+def _ragged_cost(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts) -> float | None:
+    """One ragged pass over `batch` sequences: every window's rows, no padding (None until a drafted pass at
+    this batch was measured)."""
+    rows = sum(window_rows[s] for s in slots)
+    if not any(b == batch and t > len(slots) for b, t in costs.seconds):
+        return None
+    return costs.get(batch, rows)
+
+
+def pass_rows(row_counts: list[int], ragged: bool) -> int:
+    """The rows a pass's cost is keyed by: the total of a ragged pass's windows, else the longest (every
+    window padded to it)."""
+    return sum(row_counts) if ragged else max(row_counts)
 
 
 def _drafted_cost(slots: list[int], batch: int, window_rows: dict[int, int], costs: PassCosts) -> float | None:

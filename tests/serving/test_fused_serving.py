@@ -178,3 +178,26 @@ def test_windows_in_one_batched_pass_back_off_when_they_do_not_pay():
     assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "batched"
     costs.observe(4, 6, 0.030)  # cheaper windows (smoothed: 54 ms → 12 / 54 ms = 222 tok/s)
     assert pass_policy.choose(slots, 4, windows, costs, yields, batch_windows=True) == "windows"
+
+
+def test_a_ragged_backend_prices_a_pass_by_its_total_rows():
+    """native: a pass runs each window's own rows one after the other, so drafts cost the rows they add, not
+    the batch padded to the longest; the cost of a pass is keyed by its total rows."""
+    assert pass_policy.pass_rows([6, 1, 1, 1], ragged=True) == 9
+    assert pass_policy.pass_rows([6, 1, 1, 1], ragged=False) == 6
+    costs, yields = pass_policy.PassCosts(), pass_policy.Yield(prior=1.5)
+    slots = [0, 1, 2, 3]
+
+    def choose(rows: dict[int, int]) -> str:
+        return pass_policy.choose(slots, 4, rows, costs, yields, batch_windows=True, ragged=True)
+
+    assert choose({s: 2 for s in slots}) == "batched"  # explore c(4 slots, 4 rows)
+    costs.observe(4, 4, 0.020)
+    assert choose({s: 2 for s in slots}) == "windows"  # explore a drafted pass of more rows
+    costs.observe(4, 8, 0.024)
+    # 4 × 1.5 tokens / 24 ms = 250 tok/s against 4 / 20 ms = 200 tok/s: the drafts' 4 extra rows pay
+    assert choose({s: 2 for s in slots}) == "windows"
+    # one long draft among short ones: 9 rows (≈ 27 ms) still pay; padded, the pass would be 4 × 6 = 24 rows
+    assert choose({0: 6, 1: 1, 2: 1, 3: 1}) == "windows"
+    costs.observe(4, 16, 0.060)  # 16 rows: 6 / 60 ms = 100 tok/s, the single rows win
+    assert choose({s: 4 for s in slots}) == "batched"
