@@ -60,7 +60,7 @@ def test_trained_drafters_are_accepted_and_lossless(trained, drafter, min_tau):
 
 
 @pytest.mark.parametrize("drafter,tree", [("eagle", "default"), ("medusa", "binary"), ("mtp", None),
-                                          ("eagle3", "default"), ("block", None)])
+                                          ("eagle3", "default"), ("block", None), ("eagle3-suffix", None)])
 def test_sampling_with_trained_drafters_follows_the_target(trained, drafter, tree):
     bundle, _, _ = trained
     result, detail = lossless_check(bundle, drafter, tree, samples=300, length=3, top_k=4, progress=False)
