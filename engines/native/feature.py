@@ -51,10 +51,11 @@ class Mix:
     refused: tuple[str, ...] = field(default=())  # initializers of a look-alike mix the kernels do not compute
 
     def matches(self, names: set[str], by_weight: dict) -> bool:
-        if self.projection:  # int4 (its MatMulNBits) or float (refused as such by feature_layer_unsupported)
-            return self.projection + ".weight" in names or any(w.startswith(self.projection + ".weight_")
-                                                               for w in by_weight)
-        return all(self.norms[w] in names for w in self.required)
+        """The graph has this mix's projection (int4, its MatMulNBits; or float, refused as such by
+        feature_layer_unsupported) where it has one, and every norm it always has."""
+        projected = not self.projection or self.projection + ".weight" in names or any(
+            w.startswith(self.projection + ".weight_") for w in by_weight)
+        return projected and all(self.norms[w] in names for w in self.required)
 
 
 MIXES = (

@@ -29,6 +29,14 @@ def layers(trained_int4_bundle):
     return _layer(trained_int4_bundle, "eagle3")
 
 
+def assert_same_winners(got: np.ndarray, want: np.ndarray) -> None:
+    """Every row whose best logit leads the next by more than twice the largest difference between the two
+    computations drafts the same token (a briefly trained head's near-ties may go either way)."""
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * np.abs(got - want).max()
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
 def _passes(dec, rng, vocab, table=None):
     """A causal prefill of 30 rows, then a tree window after it: (logits, features) of both. `table`: the
     target's embedding, whose rows an ONNX Runtime layer reads as inputs_embeds (the native one gathers them)."""
@@ -69,7 +77,7 @@ def test_the_native_layer_computes_the_graphs_layer(trained_int4_bundle, kind, k
         # int8 activations against ONNX Runtime's arithmetic: close, not equal (only proposals depend on it)
         assert np.abs(ln - lo).max() <= 0.02 * np.abs(lo).max(), np.abs(ln - lo).max()
         assert np.abs(hn - ho).max() <= 0.02 * np.abs(ho).max()
-        assert (ln.argmax(-1) == lo.argmax(-1)).mean() >= 0.8
+        assert_same_winners(ln, lo)
     if fuse is None:  # EAGLE-3's fuse alone
         return
     aux = np.random.default_rng(1).standard_normal((3, len(m.drafter("eagle3", layer.parents[1])["taps"])
@@ -101,7 +109,7 @@ def test_the_native_medusa_heads_compute_the_graphs_heads(trained_int4_bundle, k
         got, want = native.run(hidden), session.run(None, {"hidden_in": hidden[None]})[0][0]
         assert got.shape == want.shape == (rows, native.heads, native.vocab)
         assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
-        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+        assert_same_winners(got, want)
     with pytest.raises(SpecrtError, match="read rows of"):
         native.run(np.zeros((1, native.hidden + 1), np.float32))
 
