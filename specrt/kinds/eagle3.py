@@ -6,7 +6,7 @@ SPEC = DrafterSpec(
     name="eagle3", order=5, summary="fused low/mid/high target features, reduced draft vocabulary, dynamic tree",
     runtime={"eagle3": "specrt.runtime.drafters.eagle:Eagle3",
              "eagle3-suffix": "specrt.runtime.drafters.hybrid:Eagle3SuffixFirst"},
-    search={"eagle3": "dynamic"},
+    search={"eagle3": "dynamic", "eagle3-suffix": "chain"},  # eagle3-suffix: -k is the suffix chain's length
     config="specrt.export.drafters.eagle3:Eagle3Config", module="specrt.export.drafters.eagle3:Eagle3Head",
     shares_lm_head=lambda cfg: False,
     graphs="specrt.export.drafters.eagle3:eagle3_graphs",
