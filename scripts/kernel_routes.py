@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-ROUTES = ("ort-matmulnbits", "ort-w8a8", "native-scalar", "native-avx2", "native-avx512vnni")
+ROUTES = ("ort-matmulnbits", "ort-w8a8", "native-scalar", "native-avx2", "native-avx512vnni", "native-amx")
 MS = (1, 2, 4, 8, 16, 32)
 LAYER = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N): qkv, o, gate_up, down
 SHAPES = [kn for _ in range(30) for kn in LAYER] + [(576, 49152)]  # + LM head

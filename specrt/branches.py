@@ -42,7 +42,7 @@ BRANCHES: dict[str, Branch] = {b.name: b for b in (
            "bf16 autocast where the CPU reports avx512_bf16, amx_bf16 or Arm bf16; else fp32"),
     Branch("quant_engine", "SPECRT_QUANT_ENGINE", ("x86", "fbgemm", "onednn", "qnnpack"),
            "torch.backends.quantized.engine as torch sets it for this CPU (x86 on x86-64)"),
-    Branch("native_kernel", "SPECRT_NATIVE_KERNEL", ("scalar", "avx2", "avx512vnni"),
+    Branch("native_kernel", "SPECRT_NATIVE_KERNEL", ("scalar", "avx2", "avx512vnni", "amx"),
            "the fastest kernel of the native backend this CPU executes (engines/native/library.py)"),
     Branch("drafter_layers", "SPECRT_DRAFTER_LAYERS", ("ort", "native"),
            "native where the target runs on the native backend and the graph is an int4 EAGLE-1/2, EAGLE-3 or "

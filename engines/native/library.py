@@ -35,9 +35,10 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off
          "-Wno-maybe-uninitialized")
 LIB_NAME = "libspecrt_native.so"
 # kernel name -> the library's code for it (csrc/w4a8.h Isa), fastest last; what each needs from the CPU
-KERNELS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+KERNELS = {"scalar": 0, "avx2": 1, "avx512vnni": 2, "amx": 3}
 MAX_THREADS = 1024  # csrc/model.cpp kMaxThreads: more is a mistake, not a machine
-NEEDS = {"scalar": "nothing", "avx2": "AVX2, FMA and F16C", "avx512vnni": "AVX-512 F/BW/VL, AVX-512 VNNI and F16C"}
+NEEDS = {"scalar": "nothing", "avx2": "AVX2, FMA and F16C", "avx512vnni": "AVX-512 F/BW/VL, AVX-512 VNNI and F16C",
+         "amx": "AMX tiles and int8 (with the OS's tile state) and AVX-512 VBMI besides what avx512vnni needs"}
 
 P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {

@@ -90,6 +90,20 @@ def test_every_row_count_gives_each_row_bitwise_the_scalar_reference(kernel, qkv
         assert np.array_equal(got, reference[:m]), (kernel, m, np.abs(got - reference[:m]).max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_any_block_count_and_tile_height_gives_the_reference(kernel, fmt):
+    """One block, an odd number of blocks (the AMX kernel takes blocks in pairs) and row counts around its
+    16-row tiles, each row bitwise the scalar reference."""
+    needs(kernel)
+    x = np.random.default_rng(8).standard_normal((40, 160)).astype(np.float32)
+    for k in (32, 96, 160):
+        lin = Linear(k, 48, seed=k, bias=True, fmt=fmt)
+        reference = lin("scalar", x[:, :k])
+        for m in (1, 2, 5, 15, 16, 17, 31, 32, 33, 40):
+            assert np.array_equal(lin(kernel, x[:m, :k]), reference[:m]), (kernel, fmt, k, m)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_row_does_not_depend_on_the_rows_beside_it(kernel, qkv, rows):
     needs(kernel)

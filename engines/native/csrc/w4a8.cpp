@@ -7,7 +7,12 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define SPN_X86 1
 #endif
 
@@ -244,6 +249,137 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   }
 }
 
+// ── AMX (Xeon 4th generation and later): one tdpbssd multiplies a whole block (32 inputs) of 16 rows by 16
+// columns into a tile of 16 x 16 exact int32 sums. The packed weights are in the B tile's layout already (8
+// rows of 4 inputs x 16 columns: vpdpbusd's lane order); each block is rewritten as signed bytes with its
+// offset taken out (amx_weights), so the sums are w4a8.h's isum and each row runs tile_vnni's float steps on
+// them: the two kernels agree bitwise. The instructions are spelled in asm with memory clobbers: GCC's tile
+// intrinsics do not tell the compiler that a tile load reads memory.
+#define SPN_TLOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define SPN_TSTORE(t, base) asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(64L) : "memory")
+#define SPN_TZERO(t) asm volatile("tilezero %%tmm" #t ::)
+#define SPN_TDPBSSD(c, a, b) asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+// one block's product: weights from wbuf into tile B, activations (16 rows of the block's 32 bytes, a row
+// every `stride` bytes) into tile A, their sums into tile C, stored to `sums`
+#define SPN_TBLOCK(C, A, B, wbuf, act, stride) \
+  SPN_TLOAD(B, wbuf, 64);                      \
+  SPN_TLOAD(A, act, stride);                   \
+  SPN_TZERO(C);                                \
+  SPN_TDPBSSD(C, A, B)
+
+constexpr int kAmxRows = 16;  // rows of a tile; fewer rows run tile_vnni (gemm_amx)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums of four blocks (16 x 16 int32); 4, 5: activations (16 x 32 bytes); 6, 7: weights (8 x 64).
+void amx_configure() {
+  TileConfig c;
+  for (int i = 0; i < 4; ++i) c.rows[i] = kAmxRows, c.colsb[i] = kTileN * 4;
+  for (int i = 4; i < 6; ++i) c.rows[i] = kAmxRows, c.colsb[i] = kBlock;
+  for (int i = 6; i < 8; ++i) c.rows[i] = kBlock / 4, c.colsb[i] = 64;
+  asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
+}
+
+void amx_release() { asm volatile("tilerelease" ::: "memory"); }
+
+// Block `blk` of a tile as signed bytes in the B tile's layout (buf): int4 q - 8 (kQ4) or q (kQ4Min, whose
+// minimum is a float term), int8 q from its stored q + 128. For int4 one vpermb maps each byte's low six bits
+// through a 64-entry table of (j & 15) - offset: the low nibble with no mask, the high one after a 16-bit
+// shift by 4 (the neighbour's bits it pulls in land in bits 4-7, which the table ignores).
+template <int F>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void amx_weights(const uint8_t* blk, uint8_t* buf) {
+  if (is_int8(F)) {
+    const __m512i flip = _mm512_set1_epi8(-128);
+    for (int g = 0; g < 8; ++g)
+      _mm512_store_si512(buf + g * 64, _mm512_xor_si512(_mm512_load_si512(blk + g * 64), flip));
+    return;
+  }
+  alignas(64) static constexpr auto table = [] {
+    struct {
+      int8_t v[64];
+    } t{};
+    for (int j = 0; j < 64; ++j) t.v[j] = static_cast<int8_t>((j & 15) - (F == kQ4 ? 8 : 0));
+    return t;
+  }();
+  const __m512i lut = _mm512_load_si512(table.v);
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_load_si512(blk + c * 64);
+    _mm512_store_si512(buf + 2 * c * 64, _mm512_permutexvar_epi8(v, lut));
+    _mm512_store_si512(buf + (2 * c + 1) * 64, _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut));
+  }
+}
+
+// Block b's float steps for the 16 rows from r0, from its tile of sums s: tile_vnni's.
+template <int F>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void amx_steps(
+    __m512* acc, const QAct& a, int r0, int b, const int32_t* s, const float* ws, const float* wm) {
+  const __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    const int row = r0 + r;
+    const __m512i v = _mm512_load_si512(s + r * kTileN);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b])),
+                             acc[r]);
+    if (F == kQ4Min)
+      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
+  }
+}
+
+// The 16 rows from r0 of tile t; formats kQ4, kQ4Min and kQ8. A pipeline over groups of four blocks: group g's
+// four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
+// reader), group g + 2's weights are unpacked (a tile load reads stores only once they have left the core),
+// and group g - 1's float steps run from the sums it stored one group earlier.
+template <int F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_amx(const QWeight& w, const QAct& a,
+                                                                                 int r0, int t, float* y, int ldy) {
+  constexpr int TB = tile_bytes(F);
+  alignas(64) uint8_t wbuf[3][4][kBlock * kTileN];   // [group % 3][block of the group]
+  alignas(64) int32_t sums[2][4][kTileN * kTileN];  // [group % 2][block of the group]
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
+  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
+  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
+  const int8_t* qa = a.q + static_cast<size_t>(r0) * a.blocks * kBlock;
+  const long stride = static_cast<long>(a.blocks) * kBlock;
+  const int groups = (w.blocks + 3) / 4;
+  for (int i = 0; i < 8 && i < w.blocks; ++i) amx_weights<F>(wp + i * TB, wbuf[i / 4][i % 4]);
+  for (int g = 0; g < groups; ++g) {
+    const int b = 4 * g, n = w.blocks - b < 4 ? w.blocks - b : 4;
+    int32_t(*s)[kTileN * kTileN] = sums[g & 1];
+    for (int c = 0; c < 4 * TB / 64; ++c)  // the weights 4 KiB ahead, as tile_vnni
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+    SPN_TBLOCK(0, 4, 6, wbuf[g % 3][0], qa + b * kBlock, stride);
+    if (n > 1) SPN_TBLOCK(1, 5, 7, wbuf[g % 3][1], qa + (b + 1) * kBlock, stride);
+    if (n > 2) SPN_TBLOCK(2, 4, 6, wbuf[g % 3][2], qa + (b + 2) * kBlock, stride);
+    if (n > 3) SPN_TBLOCK(3, 5, 7, wbuf[g % 3][3], qa + (b + 3) * kBlock, stride);
+    SPN_TSTORE(0, s[0]);
+    if (n > 1) SPN_TSTORE(1, s[1]);
+    if (n > 2) SPN_TSTORE(2, s[2]);
+    if (n > 3) SPN_TSTORE(3, s[3]);
+    for (int i = 0; i < 4 && b + 8 + i < w.blocks; ++i) amx_weights<F>(wp + (b + 8 + i) * TB, wbuf[(g + 2) % 3][i]);
+    if (g > 0)
+      for (int i = 0; i < 4; ++i) amx_steps<F>(acc, a, r0, b - 4 + i, sums[(g - 1) & 1][i], ws, wm);
+  }
+  const int last = 4 * (groups - 1);
+  for (int i = 0; last + i < w.blocks; ++i) amx_steps<F>(acc, a, r0, last + i, sums[(groups - 1) & 1][i], ws, wm);
+  alignas(64) float out[kTileN];
+  for (int r = 0; r < kAmxRows; ++r) {
+    _mm512_store_ps(out, acc[r]);
+    store_tile(w, t, out, y + static_cast<size_t>(r0 + r) * ldy);
+  }
+}
+#undef SPN_TBLOCK
+#undef SPN_TLOAD
+#undef SPN_TSTORE
+#undef SPN_TZERO
+#undef SPN_TDPBSSD
+
 using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 
 #define SPN_TILES(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, fn<5, F>, fn<6, F>, fn<7, F>, fn<8, F>}
@@ -257,6 +393,8 @@ const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {SPN_TILES(tile_avx2, kQ4
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16)};
+// kQ8x16 (Q6_K's half blocks) needs two sums a block: it stays on tile_vnni
+const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr};
 #undef SPN_TILES
 #undef SPN_TILES16
 
@@ -268,6 +406,43 @@ void gemm_tiles(const TileFn* fns, int per, const QWeight& w, const QAct& a, flo
       fns[rows](w, a, r0, t, y, ldy);
     }
   }
+}
+
+// AMX: the tiles are configured once for the call; the rows past the last whole 16 run tile_vnni in the same
+// sweep over the weights, and so does a call of fewer than 16 rows: with fewer, a tile's fixed cost per block
+// (the unpack, the sums' round trip through memory) exceeds the vpdpbusd it saves (measured in
+// docs/performance.md, "AMX").
+void gemm_amx(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
+  if (w.format == kQ8x16 || a.M < kAmxRows) return gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
+  const int full = a.M / kAmxRows * kAmxRows;
+  amx_configure();
+  for (int t = t0; t < t1; ++t) {
+    for (int r0 = 0; r0 < full; r0 += kAmxRows) kAmxTiles[w.format](w, a, r0, t, y, ldy);
+    if (full < a.M) kVnniTiles[w.format][a.M - full](w, a, full, t, y, ldy);
+  }
+  amx_release();
+}
+
+// AMX needs the CPU's tile and int8 units, the OS's tile state (XCR0 bits 17, 18) and, on Linux, the process's
+// permission to use it (asked once).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax, ebx, ecx, edx;
+    // leaf 7: AMX-TILE (edx 24), AMX-INT8 (edx 25), AVX512-VBMI (ecx 1: the int4 unpack's vpermb)
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25)) ||
+        !(ecx & (1u << 1)))
+      return false;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+    unsigned lo, hi;
+    asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+#ifdef __linux__
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) != 0) return false;
+#endif
+    return true;
+  }();
+  return usable;
 }
 #endif  // SPN_X86
 
@@ -284,6 +459,8 @@ bool isa_supported(Isa isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case kAmx:
+      return isa_supported(kAvx512Vnni) && amx_usable();
 #endif
     default:
       return false;
@@ -298,6 +475,9 @@ void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, i
       return;
     case kAvx512Vnni:
       gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
+      return;
+    case kAmx:
+      gemm_amx(w, a, y, ldy, t0, t1);
       return;
 #endif
     default:

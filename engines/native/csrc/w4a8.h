@@ -28,7 +28,7 @@ constexpr int kTileN = 16;     // columns per packed tile (one 512-bit register 
 constexpr int kTileBytes = kBlock * kTileN / 2;  // packed bytes of one int4 block of one tile: 256
 constexpr int kTileBytes8 = kBlock * kTileN;     // ... of one int8 block: 512
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kIsaCount = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3, kIsaCount = 4 };
 enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kFormatCount = 4 };
 
 constexpr bool is_int8(int format) { return format == kQ8 || format == kQ8x16; }
