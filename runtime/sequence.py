@@ -148,16 +148,19 @@ class Sequence:
             self.absorb(p, outs)
         return outs["logits"][0]
 
-    def prefill_passes(self, chunk: int | None = None) -> list[Pass]:
-        """The prompt as causal chunks of at most `chunk` rows (default PREFILL_CHUNK, the serving
-        scheduler's), in order, each written at KV rows after the previous one's; only the last row of
-        each asks for logits. A chunk's rows are computed as a whole-prompt pass computes them (the same
-        rows as a verify chain), so chunking changes no bit where the target's passes are exact, and it
-        keeps a long prompt's attention scores at chunk × context instead of context²."""
+    def prefill_passes(self, chunk: int | None = None, start: int = 0) -> list[Pass]:
+        """The prompt from row `start` on (the rows before it already in the KV cache: the serving prefix
+        cache's) as causal chunks of at most `chunk` rows (default PREFILL_CHUNK, the serving scheduler's),
+        in order, each written at KV rows after the previous one's; only the last row of each asks for
+        logits. A chunk's rows are computed as a whole-prompt pass computes them (the same rows as a verify
+        chain), so chunking changes no bit where the target's passes are exact, and it keeps a long
+        prompt's attention scores at chunk × context instead of context²."""
         size = chunk or PREFILL_CHUNK  # read when called: tests set the module's constants
+        if not 0 <= start < len(self.tokens):
+            raise SpecrtError(f"internal: prefill from row {start} of a {len(self.tokens)}-token prompt")
         tokens = np.asarray(self.tokens, np.int64)
-        chunks = [tokens[s : s + size] for s in range(0, len(tokens), size)]
-        return [Pass(c, i * size, Tree.chain(len(c) - 1), np.array([len(c) - 1])) for i, c in enumerate(chunks)]
+        chunks = [(s, tokens[s : s + size]) for s in range(start, len(tokens), size)]
+        return [Pass(c, s, Tree.chain(len(c) - 1), np.array([len(c) - 1])) for s, c in chunks]
 
     def absorb(self, p: Pass, outs: dict) -> None:
         """After one prefill pass: keep the target features its rows give a feature drafter."""

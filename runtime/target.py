@@ -167,6 +167,30 @@ class TargetModel:
                 touched += buf.nbytes
         return touched
 
+    @property
+    def host_kv(self) -> bool:
+        """Are the KV rows host arrays that `kv_rows` / `set_kv_rows` copy (engines/registry.py `host_kv`)?"""
+        return backend_entry(self.backend).host_kv
+
+    def kv_rows(self, slot: int, start: int, stop: int) -> np.ndarray:
+        """A copy of KV rows start..stop-1 of sequence `slot`: [2 * layers, kv_heads, stop - start, head_dim],
+        the decoder's buffers in their order."""
+        return np.stack([buf[slot, :, start:stop] for buf in self._host_kv()])
+
+    def set_kv_rows(self, slot: int, start: int, rows: np.ndarray) -> None:
+        """Write `rows` (as `kv_rows` returns them) at KV rows start.. of sequence `slot`."""
+        bufs = self._host_kv()
+        if rows.shape[0] != len(bufs) or start + rows.shape[2] > self.capacity:
+            raise SpecrtError(f"internal: {rows.shape} KV rows at {start} do not fit {len(bufs)} buffers of "
+                              f"{self.capacity} rows")
+        for buf, r in zip(bufs, rows, strict=True):
+            buf[slot, :, start : start + r.shape[1]] = r
+
+    def _host_kv(self) -> list[np.ndarray]:
+        if not self.host_kv:
+            raise SpecrtError(f"the {self.backend} backend's KV cache is not in host memory: its rows cannot be copied")
+        return self.decoder.kv
+
     def run_batch(self, windows: list[Pass | None], start: int) -> BatchOutputs:
         """One target pass over KV slots start..start+len(windows)-1, slot start+i running `windows[i]`
         (None: an idle slot). Ragged where the decoder runs such passes (native: no padding rows, an idle

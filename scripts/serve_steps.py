@@ -1,12 +1,13 @@
 """Where a serving step's time goes, without HTTP: the scheduler stepped in this thread over N requests.
 
     python scripts/serve_steps.py BUNDLE [--users 1,4,16] [--requests 48] [--max-tokens 128] [--threads 2]
-                                         [--kv-dtype auto|fp32|fp16]
+                                         [--kv-dtype auto|fp32|fp16] [--prefix-cache-mb MB]
 
 For each user count: that many KV slots, `--requests` distinct held-out chat prompts all queued at once,
 greedy plain decoding, stepped until every request ends. Prints tokens/s, the seconds in target passes and
 in everything else (plan, apply, delivery), the steps, the mean sequences per decode pass and the prompt
-rows per second. Compare its tokens/s with `specrt bench-serve --process` at the same users: the
+rows per second. Each user count starts a fresh server (an empty prefix cache): distinct prompts share only
+the chat template's system prompt. Compare its tokens/s with `specrt bench-serve --process` at the same users: the
 difference is what the HTTP server and its clients cost.
 """
 
@@ -20,7 +21,8 @@ from specrt.runtime.generate import Generator
 from specrt.serving.scheduler import Scheduler
 
 
-def run(bundle: str, users: int, prompts: list[str], max_tokens: int, threads: int, kv_dtype: str = "auto") -> dict:
+def run(bundle: str, users: int, prompts: list[str], max_tokens: int, threads: int, kv_dtype: str = "auto",
+        prefix_cache_mb: int = 0) -> dict:
     gen = Generator(bundle, drafter="plain", max_seq_len=1024, slots=users, threads=threads, kv_dtype=kv_dtype)
     passes = {"seconds": 0.0, "rows": 0}
 
@@ -31,7 +33,7 @@ def run(bundle: str, users: int, prompts: list[str], max_tokens: int, threads: i
         passes["rows"] += sum(len(w.window) for w in bp.windows if w is not None and len(w.rows))
         return outs
 
-    scheduler = Scheduler(gen, max_waiting=len(prompts), runner=runner)
+    scheduler = Scheduler(gen, max_waiting=len(prompts), runner=runner, prefix_cache_mb=prefix_cache_mb)
     ids = [gen.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     handles = [scheduler.submit(x, max_tokens) for x in ids]
     t0 = time.perf_counter()
@@ -54,12 +56,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16"])
+    ap.add_argument("--prefix-cache-mb", type=int, default=0, help="the prefix cache's size (0: none)")
     args = ap.parse_args()
     prompts = [p.prompt for p in prompt_set("heldout", None)][: args.requests]
     print("| users | tok/s | s | in passes s | other s | decode steps | mean batch | rows run |")
     print("|---|---|---|---|---|---|---|---|")
     for users in (int(u) for u in args.users.split(",")):
-        r = run(args.bundle, users, prompts, args.max_tokens, args.threads, args.kv_dtype)
+        r = run(args.bundle, users, prompts, args.max_tokens, args.threads, args.kv_dtype, args.prefix_cache_mb)
         print(f"| {r['users']} | {r['tokens_per_s']} | {r['seconds']} | {r['pass_s']} | {r['other_s']} | {r['steps']} "
               f"| {r['mean_batch']} | {r['rows']} |", flush=True)
 

@@ -77,7 +77,7 @@ class Answer:
         else:
             choice["text"] = text.text
         out = {"id": self.id, "object": self.kind, "created": self.created, "model": self.state.model_name,
-               "choices": [choice], "usage": usage(self.prompt_tokens, text.tokens)}
+               "choices": [choice], "usage": usage(self.prompt_tokens, text.tokens, handle.cached_tokens)}
         if handle.result is not None:
             out["specrt"] = spec_stats(handle.result)
         return out
@@ -122,7 +122,7 @@ class Answer:
                 yield self.chunk(tail, None)
             yield self.chunk(None, text.finish_reason(handle.result))
             if self.body.include_usage:
-                yield self.event({"choices": [], "usage": usage(self.prompt_tokens, text.tokens)})
+                yield self.event({"choices": [], "usage": usage(self.prompt_tokens, text.tokens, handle.cached_tokens)})
             yield "data: [DONE]\n\n"
         except Exception:
             log.exception("request %s failed in the engine", self.id)

@@ -42,6 +42,7 @@ from specrt.runtime.target import WINDOW_MARGIN
 from specrt.runtime.tree import Tree
 from specrt.serving import pass_policy
 from specrt.serving.handle import Handle
+from specrt.serving.prefix_cache import PrefixCache
 
 BATCH_HISTORY = 4096  # sequences per decode pass kept (for the bench and tests; the metrics keep the rest)
 
@@ -154,10 +155,12 @@ class Slot:
 class SchedulerCore:
     """The step's decisions over `n_slots` of `gen`'s KV slots (its drafter settings are the server's)."""
 
-    def __init__(self, gen: Generator, n_slots: int, mix_chunks: bool | None = None):
+    def __init__(self, gen: Generator, n_slots: int, mix_chunks: bool | None = None,
+                 prefix: PrefixCache | None = None):
         """`mix_chunks`: a prompt chunk rides in the decode pass (default: where the target runs ragged
-        passes, which need no padding rows for it: native); else it runs as a pass of its own."""
-        self.gen = gen
+        passes, which need no padding rows for it: native); else it runs as a pass of its own. `prefix`:
+        the KV rows of earlier prompts and answers, reused by the requests that start with them (None: none)."""
+        self.gen, self.prefix = gen, prefix
         self.mix_chunks = gen.model.ragged if mix_chunks is None else mix_chunks
         self.slots = [self._new_slot(i) for i in range(n_slots)]
         self.batch_windows = backend_entry(gen.backend).batch_windows
@@ -234,10 +237,27 @@ class SchedulerCore:
         except Exception as e:  # this request fails; the others go on
             events.append(self._fail(slot, e))
             return
-        slot.prefill, slot.prefill_seconds, slot.ready = deque(slot.seq.prefill_passes()), 0.0, False
+        cached = self._reuse(slot)
+        slot.prefill, slot.prefill_seconds, slot.ready = deque(slot.seq.prefill_passes(start=cached)), 0.0, False
         slot.window_rows, slot.sent_logprobs = self.gen.max_depth + 1, 0
         slot.order, self._admitted = self._admitted, self._admitted + 1
         self.yields.forget(slot.index)
+
+    def _reuse(self, slot: Slot) -> int:
+        """The prompt rows slot's request finds in the prefix cache, copied into its KV slot (a drafter that
+        reads the target's features prefills them all: the cache keeps KV rows only)."""
+        if self.prefix is None:
+            return 0
+        blocks = [] if slot.seq.needs_hidden else self.prefix.match(slot.handle.prompt_ids)
+        if blocks:
+            self.gen.model.set_kv_rows(slot.index, 0, np.concatenate([b.rows for b in blocks], axis=2))
+        slot.handle.cached_tokens = len(blocks) * self.prefix.block
+        return slot.handle.cached_tokens
+
+    def _remember(self, slot: Slot, rows: int) -> None:
+        """The first `rows` of slot's tokens have their KV rows written: the prefix cache keeps them."""
+        if self.prefix is not None:
+            self.prefix.insert(slot.seq.tokens[:rows], lambda a, b: self.gen.model.kv_rows(slot.index, a, b))
 
     def _prefill_chunk(self) -> BatchPass | None:
         """The next chunk of the earliest admission whose prompt has chunks left."""
@@ -309,6 +329,7 @@ class SchedulerCore:
             slot.prefill_seconds += out.seconds
             if not bp.final:
                 return
+            self._remember(slot, len(slot.seq.tokens))
             first = slot.seq.prefilled(outs["logits"][0], slot.prefill_seconds)
             slot.ready = True
             events.append(Delivered(slot.handle, first, self._new_logprobs(slot), first=True))
@@ -369,6 +390,8 @@ class SchedulerCore:
     def _release(self, slot: Slot) -> Ended:
         seq = slot.seq
         slot.drafter.finish(seq.tokens)  # what every slot's drafter may draft from next (suffix's store)
+        if slot.ready:  # its rows up to the last token's (written by the next pass, which will not come)
+            self._remember(slot, len(seq.tokens) - 1)
         result = seq.result()
         return Ended(self._unclaim(slot), result, result.finish_reason)
 

@@ -36,6 +36,7 @@ class Handle:
         self.clock = clock
         self.submitted = clock()
         self.first_token_at: float | None = None
+        self.cached_tokens: int | None = None  # prompt tokens whose KV rows came from the prefix cache (None: no cache)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the generation at the next step with finish reason `reason` (the first reason given holds)."""

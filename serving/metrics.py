@@ -37,6 +37,10 @@ class Metrics:
                                  "still queued); a stop sequence is a normal finish, not a cancellation", registry=r)
         self.errors = Counter("specrt_engine_errors", "Generations that failed inside the engine", registry=r)
         self.prompt_tokens = Counter("specrt_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefix_queries = Counter("specrt_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("specrt_prefix_cache_hits", "Prompt tokens whose KV rows the prefix cache gave",
+                                   registry=r)
         self.generation_tokens = Counter("specrt_generation_tokens", "Tokens generated", registry=r)
         self.drafts = Counter("specrt_spec_decode_num_drafts", "Verify steps that carried a draft", registry=r)
         self.draft_tokens = Counter("specrt_spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)

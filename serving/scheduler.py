@@ -29,6 +29,7 @@ from specrt.runtime.sequence import check_prompt
 from specrt.serving.core import BatchPass, Delivered, Ended, Event, PassOutput, SchedulerCore, StepPlan
 from specrt.serving.handle import Handle
 from specrt.serving.metrics import Metrics
+from specrt.serving.prefix_cache import PrefixCache
 
 Runner = Callable[[BatchPass], BatchOutputs]  # one planned pass's outputs
 
@@ -45,16 +46,21 @@ class Scheduler:
     measured alike."""
 
     def __init__(self, gen: Generator, max_waiting: int = 64, metrics: Metrics | None = None,
-                 max_slots: int | None = None, runner: Runner | None = None):
+                 max_slots: int | None = None, runner: Runner | None = None, prefix_cache_mb: int = 0):
         """`max_slots`: use only that many of the generator's KV slots (batch-1 serving: 1); `runner`: what
-        runs a planned pass (default: the generator's `TargetModel.run_batch`)."""
+        runs a planned pass (default: the generator's `TargetModel.run_batch`); `prefix_cache_mb`: the
+        prefix cache's size (serving/prefix_cache.py; 0: none)."""
         if gen.slots < 1:
             raise SpecrtError("the scheduler needs at least one KV slot")
         self.gen, self.max_waiting, self.clock = gen, max_waiting, gen.clock
         self.metrics = metrics or Metrics()
         self.drafter_name = gen.drafter_label
         self.metrics.exactness(gen.lossless, gen.exactness.mode.name, gen.exactness.lossless)
-        self.core = SchedulerCore(gen, min(gen.slots, max_slots or gen.slots))
+        if prefix_cache_mb and not gen.model.host_kv:
+            raise SpecrtError(f"--prefix-cache-mb {prefix_cache_mb}: the {gen.backend} backend's KV cache is not in "
+                              "host memory, so its rows cannot be copied: use --prefix-cache-mb 0 there")
+        prefix = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
+        self.core = SchedulerCore(gen, min(gen.slots, max_slots or gen.slots), prefix=prefix)
         self.prefaulted = gen.model.prefault()  # the KV pages now, not in the first requests' passes
         self.runner: Runner = runner or (lambda bp: gen.model.run_batch(bp.windows, bp.start))
         self.waiting: deque[Handle] = deque()
@@ -172,6 +178,9 @@ class Scheduler:
                 handle = event.handle
                 if event.first:
                     self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+                    if handle.cached_tokens is not None:
+                        self.metrics.prefix_queries.inc(len(handle.prompt_ids))
+                        self.metrics.prefix_hits.inc(handle.cached_tokens)
                     self.metrics.time_to_first_token.observe(self.clock() - handle.submitted)
                 else:
                     self.metrics.on_step(event.drafted, event.accepted)

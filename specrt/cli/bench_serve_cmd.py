@@ -43,9 +43,13 @@ from specrt.tools.serve_bench import SERVERS, write_json
               help="With --peer or --process: each streamed level of several users runs once more with one prompt of "
                    "about TOKENS tokens among its requests, arriving mid-run; its row gives the other requests' "
                    "TTFT and inter-token latency (and the long one's TTFT in --json). Give --max-seq-len room for it.")
+@click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
+              help="With --peer or --process: `specrt serve --prefix-cache-mb` (default: serve's). The reference and "
+                   "every level send the same prompts, so with a cache each level after the first finds them "
+                   "whole: 0 measures traffic of distinct prompts (or see scripts/serve_steps.py).")
 @runtime_options
 def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, process, prompts_spec,
-            rate, long_tokens, **runtime):
+            rate, long_tokens, prefix_cache_mb, **runtime):
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
     --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
@@ -63,12 +67,15 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
         raise click.UsageError("--rate needs --peer or --process (a server in its own process)")
     if long_tokens is not None and not (peer or process):
         raise click.UsageError("--long-prompt needs --peer or --process (a server in its own process)")
+    if prefix_cache_mb is not None and not (peer or process):
+        raise click.UsageError("--prefix-cache-mb needs --peer or --process (a server in its own process)")
     prompts = [p.prompt for p in prompt_set(prompts_spec, None)]
     if not prompts:
         raise click.BadParameter(f"{prompts_spec}: no prompts in it", param_hint="--prompts")
     if peer or process:
+        serve_flags = [] if prefix_cache_mb is None else ["--prefix-cache-mb", str(prefix_cache_mb)]
         return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
-                     levels, json_out, runtime, rate, long_tokens)
+                     levels, json_out, runtime, rate, long_tokens, serve_flags)
     if mixed:
         return _mixed(bundle, drafter, prompts, mixed, levels[0], slots, max_tokens, json_out, runtime)
     gen = make_generator(bundle, drafter, slots=max(levels), **runtime)
@@ -106,7 +113,8 @@ def _mixed(bundle, drafter, prompts, n, concurrency, slots, max_tokens, json_out
         raise SystemExit(1)
 
 
-def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime, rate=None, long_tokens=None):
+def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime, rate=None, long_tokens=None,
+          serve_flags=()):
     """Each server alone, the same load on each (tools/serve_bench.py); the table, and --json."""
     from tqdm import tqdm
 
@@ -115,7 +123,7 @@ def _peer(bundle, peer, drafter, prompts, max_tokens, levels, json_out, runtime,
 
     path = resolve_bundle(bundle)
     result = compare(path, peer, drafter, prompts, max_tokens, levels, runtime["threads"], runtime["max_seq_len"],
-                     _runtime_flags(runtime), log=lambda m: click.echo(m, err=True), bar=tqdm, rate=rate,
+                     _runtime_flags(runtime) + list(serve_flags), log=lambda m: click.echo(m, err=True), bar=tqdm, rate=rate,
                      long_tokens=long_tokens)
     arriving = f"arriving at {rate:g}/s (Poisson), " if rate else ""
     click.echo(f"{len(prompts)} chat requests ({len(set(prompts))} distinct) × ≤{max_tokens} tokens, greedy, "

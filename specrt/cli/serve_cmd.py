@@ -16,6 +16,11 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
                    "Default: the bundle's tuned choice, else plain.")
 @click.option("--slots", type=click.IntRange(min=1, max=64), default=8, show_default=True,
               help="Sequences decoded together (KV slots; each verify pass serves all of them).")
+@click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
+              help="Memory for the prefix cache: the KV rows of earlier prompts and answers, reused by requests that "
+                   "start with the same tokens (a shared system prompt, the next turn of a chat); output is "
+                   "unchanged. 0: off. Default: 256 where the backend keeps its KV cache in host memory (native, "
+                   "ort), else off.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond that the server answers 503.")
 @click.option("--model-name", default=None, help="The `model` clients name (default: the bundle folder's name).")
@@ -36,7 +41,7 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @runtime_options
-def command(bundle, host, port, drafter, slots, max_waiting, model_name, default_max_tokens, api_key, allowed_hosts,
+def command(bundle, host, port, drafter, slots, prefix_cache_mb, max_waiting, model_name, default_max_tokens, api_key, allowed_hosts,
             max_body_bytes, read_timeout, max_connections, log_level, **runtime):
     """Serve BUNDLE over HTTP: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
     /health and /metrics (Prometheus)."""
@@ -48,6 +53,7 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
     from specrt.serving.api import Limits, create_app
     from specrt.serving.guards import default_hosts
     from specrt.serving.http import uvicorn_config
+    from specrt.serving.prefix_cache import cache_mb
     from specrt.serving.scheduler import Scheduler
 
     hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts else default_hosts(host)
@@ -55,12 +61,14 @@ def command(bundle, host, port, drafter, slots, max_waiting, model_name, default
 
     path = resolve_bundle(bundle)
     gen = make_generator(path, drafter, slots=slots, **runtime)
-    scheduler = Scheduler(gen, max_waiting=max_waiting)
+    prefix_mb = cache_mb(prefix_cache_mb, gen.model.host_kv)
+    scheduler = Scheduler(gen, max_waiting=max_waiting, prefix_cache_mb=prefix_mb)
     name = model_name or path.name
     app = create_app(scheduler, name, default_max_tokens, limits)
     for note in gen.notes:
         click.echo(note, err=True)
-    click.echo(f"specrt serve: {name} ({gen.drafter_label}, {gen.slots} slots, context {gen.capacity}) on "
+    cache = f"prefix cache {prefix_mb} MB" if prefix_mb else "no prefix cache"
+    click.echo(f"specrt serve: {name} ({gen.drafter_label}, {gen.slots} slots, context {gen.capacity}, {cache}) on "
                f"http://{host}:{port}/v1; {gen.exactness.summary()}"
                + ("" if gen.lossless else " — responses are NOT guaranteed to equal plain decoding")
                + ("" if api_key else "; no API key (--api-key / SPECRT_API_KEY)"), err=True)
