@@ -131,6 +131,7 @@ class Slot:
     ready: bool = False  # its first token is out: it decodes
     order: int = 0  # admission number: the oldest prefills first
     window_rows: int = 1  # rows of its last drafted window (what the next one may cost)
+    looked_up: bool = True  # its prompt was looked up in the prefix cache (at its first chunk)
     sent_logprobs: int = 0
 
     @property
@@ -237,15 +238,16 @@ class SchedulerCore:
         except Exception as e:  # this request fails; the others go on
             events.append(self._fail(slot, e))
             return
-        cached = self._reuse(slot)
-        slot.prefill, slot.prefill_seconds, slot.ready = deque(slot.seq.prefill_passes(start=cached)), 0.0, False
+        slot.prefill, slot.prefill_seconds, slot.ready = deque(slot.seq.prefill_passes()), 0.0, False
+        slot.looked_up = False
         slot.window_rows, slot.sent_logprobs = self.gen.max_depth + 1, 0
         slot.order, self._admitted = self._admitted, self._admitted + 1
         self.yields.forget(slot.index)
 
     def _reuse(self, slot: Slot) -> int:
         """The prompt rows slot's request finds in the prefix cache, copied into its KV slot (a drafter that
-        reads the target's features prefills them all: the cache keeps KV rows only)."""
+        reads the target's features prefills them all: the cache keeps KV rows only). The rows a padded pass
+        wrote in the slot before (an idle slot's placeholder at row 0) are overwritten."""
         if self.prefix is None:
             return 0
         blocks = [] if slot.seq.needs_hidden else self.prefix.match(slot.handle.prompt_ids)
@@ -265,6 +267,10 @@ class SchedulerCore:
         if not waiting:
             return None
         slot = min(waiting, key=lambda s: s.order)
+        if not slot.looked_up:  # at its first chunk, not at admission: a burst of requests admitted together
+            slot.looked_up = True  # finds what the first of them cached in the steps before
+            if cached := self._reuse(slot):
+                slot.prefill = deque(slot.seq.prefill_passes(start=cached))
         p = slot.prefill.popleft()
         return BatchPass(slot.index, [p], [slot.index], slot.index, final=not slot.prefill)
 

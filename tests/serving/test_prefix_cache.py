@@ -123,3 +123,23 @@ def test_usage_reports_cached_prompt_tokens_only_where_a_cache_runs():
 
     assert usage(30, 4) == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}
     assert usage(30, 4, 24)["prompt_tokens_details"] == {"cached_tokens": 24}
+
+
+def test_requests_admitted_together_find_what_the_first_of_them_cached(bundle):
+    """The cache is read at a prompt's first chunk, not at admission: three requests queued at once, one
+    chunk a step, the second and third find the first's shared prefix."""
+    path, backend = bundle
+    gen = Generator(path, drafter="plain", max_seq_len=64, slots=3, backend=backend)
+    first, second = _prompts(_vocab(gen))
+    third = second[:17] + [5, 6, 7, 8]
+    scheduler = Scheduler(gen, prefix_cache_mb=8)
+    handles = [scheduler.submit(ids, 5) for ids in (first, second, third)]
+    scheduler.start()
+    try:
+        results = [h.wait() for h in handles]
+    finally:
+        scheduler.stop()
+    assert [h.cached_tokens for h in handles] == [0, 16, 16]
+    plain = Generator(path, drafter="plain", max_seq_len=64, backend=backend)
+    for ids, r in zip((first, second, third), results, strict=True):
+        assert r.token_ids == plain.generate_ids(ids, 5).token_ids
