@@ -84,3 +84,14 @@ def linear_run(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarra
         if a.dtype != np.float32 or not a.flags.c_contiguous or a.ndim != 2:
             raise ValueError("linear_run takes C-contiguous float32 [rows, columns] arrays")
     return lib.spn_linear_run(h, kernel, threads, x.shape[0], ptr(x), x.size, ptr(y), y.size)
+
+
+def product(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, n: int, what: str) -> np.ndarray:
+    """x[M, K] · W as a new [M, n] array (linear_run); a failure is a SpecrtError naming `what`."""
+    from specrt.engines.native import library
+    from specrt.errors import SpecrtError
+
+    y = np.empty((x.shape[0], n), np.float32)
+    if linear_run(lib, h, kernel, threads, x, y) != 0:
+        raise SpecrtError(f"native {what} failed: {library.last_error()}")
+    return y

@@ -79,7 +79,8 @@ def graph_mix(names: set[str], by_weight: dict) -> Mix | None:
     return None
 
 
-def _graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
+def read_graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
+    """A drafter graph's model, its initializers by name and its MatMulNBits nodes by weight name."""
     model = onnx.load(str(path), load_external_data=False)  # data mapped by tensor_array (engines/tables.py)
     inits = {t.name: t for t in model.graph.initializer}
     by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
@@ -91,7 +92,7 @@ def feature_layer_unsupported(path: Path, cfg: DecoderConfig) -> str:
     why = unsupported(cfg)
     if why:
         return f"its layer computes {why}"
-    model, inits, by_weight = _graph(path)
+    model, inits, by_weight = read_graph(path)
     if graph_mix(set(inits), by_weight) is None:
         return ("its mix is none the kernels compute (EAGLE-3's norm(embed) ‖ norm(feature), EAGLE's or MTP's "
                 "projection of embed ‖ feature)")
@@ -116,7 +117,7 @@ class NativeFeatureLayer(NativeDecoder):
         self.kernel, self.kernel_record = library.kernel(kernel)
         self.path, self.cfg, self.capacity, self.batch, self.threads = Path(path), cfg, capacity, 1, threads
         self.taps = []
-        _, inits, by_weight = _graph(path)
+        _, inits, by_weight = read_graph(path)
         self.mix = graph_mix(set(inits), by_weight)
         arr = lambda name: np.ascontiguousarray(tensor_array(path, inits[name]), np.float32)  # noqa: E731
         if "embed_tokens.weight" in inits:
@@ -152,7 +153,7 @@ class NativeFeatureLayer(NativeDecoder):
             raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
         self._fuse = None
         if fuse_path is not None:  # in the layer (a catch-up pass fuses its rows: run_all's aux_in) and alone
-            _, finits, fweights = _graph(fuse_path)
+            _, finits, fweights = read_graph(fuse_path)
             fc = int4_projection(fuse_path, finits, fweights, "fc.weight")
             self._fuse = calls.linear_new(lib, fc)
             if not self._fuse or not calls.set_linear(lib, h, -1, 1, fc):
@@ -180,10 +181,7 @@ class NativeFeatureLayer(NativeDecoder):
         """The fuse graph's fc: aux [T, n·H] -> the layer's feature input [T, H]."""
         k, n = self._fuse_shape
         x = np.ascontiguousarray(aux, np.float32).reshape(-1, k)
-        y = np.empty((x.shape[0], n), np.float32)
-        if calls.linear_run(self.lib, self._fuse, library.KERNELS[self.kernel], int(self.threads), x, y) != 0:
-            raise SpecrtError(f"native fuse failed: {library.last_error()}")
-        return y
+        return calls.product(self.lib, self._fuse, library.KERNELS[self.kernel], int(self.threads), x, n, "fuse")
 
     def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, hidden_in=None, aux_in=None,
                 **extra) -> dict[str, np.ndarray]:

@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from specrt.engines.native import calls, library
+from specrt.engines.native.feature import read_graph
 from specrt.engines.native.runner import check_threads
 from specrt.engines.native.weights import Linear, float_projections, int4_projection
 from specrt.errors import SpecrtError
@@ -28,17 +28,10 @@ BLOCK = re.compile(r"medusa_head\.(\d+)\.(\d+)\.linear\.weight")
 OWN_HEADS = "medusa_head.lm_heads"  # export/drafters/medusa.py: one LM head per Medusa head, [K, H, V']
 
 
-def _graph(path: Path) -> tuple[onnx.ModelProto, dict, dict]:
-    model = onnx.load(str(path), load_external_data=False)  # data mapped by tensor_array (engines/tables.py)
-    inits = {t.name: t for t in model.graph.initializer}
-    by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
-    return model, inits, by_weight
-
-
 def medusa_unsupported(path: Path, cfg=None) -> str:
     """Why the Medusa graph at `path` cannot run natively, as a phrase; "" when it can. (`cfg`: unused, the
     signature of runtime/drafters/features.py's checks.)"""
-    model, inits, _ = _graph(path)
+    model, inits, _ = read_graph(path)
     if OWN_HEADS in inits:
         return "its heads have LM heads of their own"
     if float_projections(model):
@@ -74,7 +67,7 @@ class NativeMedusaHeads:
         self.kernel, self.kernel_record = library.kernel(kernel)
         self.threads = int(threads)
         self._handles: list[int] = []  # spn_linear_new's, freed with this object
-        _, inits, by_weight = _graph(path)
+        _, inits, by_weight = read_graph(path)
         found = sorted({(int(m[1]), int(m[2])) for w in by_weight if (m := BLOCK.match(w))})
         self.heads = 1 + max((k for k, _ in found), default=-1)
         self.layers = 1 + max((j for _, j in found), default=-1)
@@ -111,10 +104,7 @@ class NativeMedusaHeads:
         self._handles = []
 
     def _product(self, h: int, x: np.ndarray, n: int) -> np.ndarray:
-        y = np.empty((x.shape[0], n), np.float32)
-        if calls.linear_run(self.lib, h, library.KERNELS[self.kernel], self.threads, x, y) != 0:
-            raise SpecrtError(f"native Medusa product failed: {library.last_error()}")
-        return y
+        return calls.product(self.lib, h, library.KERNELS[self.kernel], self.threads, x, n, "Medusa product")
 
     def run(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [R, H] -> logits [R, K, V']."""
