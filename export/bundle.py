@@ -51,6 +51,8 @@ class ExportOptions:
     # the dequantized weights again (fitted int4 blocks of 32, export/int4_fit.py: lossier)
     requantize: bool = False
     int4_head: bool = False  # ... but quantize the LM head again (int4: less to stream per pass, lossier)
+    # the learned drafters' graphs (eagle, eagle3, medusa, mtp, block): None quantizes them as `quantize` does
+    drafter_quantize: str | None = None
 
 
 def draft_layer_count(requested: int | str | None, target_layers: int) -> int:
@@ -169,23 +171,33 @@ def _versions() -> dict:
 DECODER_ROLES = ("target", "draft")  # the decoder graphs among a bundle's (the others: learned drafters')
 
 
-def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, blocks: dict | None = None) -> dict:
+def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, blocks: dict | None = None,
+                    drafters: str | None = None) -> dict:
     """Quantize every graph in place (after the fp32 parity check); returns the manifest record. `blocks`:
-    per role, the model file's own blocks by weight name, carried as they are (the others are quantized)."""
-    s = quantize.scheme(name)
+    per role, the model file's own blocks by weight name, carried as they are (the others are quantized); a
+    learned drafter's head made of the target's LM-head rows carries those rows' blocks (quantize.rows_of).
+    `drafters`: the learned drafters' scheme, when it is not `name`'s."""
+    from specrt.export.gguf_blocks import HEAD_WEIGHTS
+
     record = {**quantize.describe(name), "matmuls": {}}
+    if drafters and drafters != name:
+        record["drafters"] = quantize.describe(drafters)
     blocks = blocks or {}
+    head = next((blocks["target"][w] for w in HEAD_WEIGHTS if w in blocks.get("target", {})), None)
     for role, entry in graphs.items():
+        learned = role not in DECODER_ROLES
+        s = quantize.scheme(drafters or name if learned else name)
         path = folder / entry.file
         # fitted int4 for the decoders (target, draft model); learned drafters' graphs keep ONNX Runtime's
         # symmetric rounding until their acceptance is measured with the fit (a briefly trained EAGLE-3 head's
         # drafts stopped being accepted with it)
-        fit = role in DECODER_ROLES
-        record["matmuls"][role], carried = quantize.quantize_file(path, s, blocks.get(role), fit)
+        own = blocks.get(role) or {}
+        record["matmuls"][role], carried = quantize.quantize_file(path, s, own, fit=not learned,
+                                                                  head=head if learned else None)
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
         if carried:  # what the graph really carries (a truncated draft: only its layers')
             record.setdefault("from_model_file", {})[role] = {
-                "weights": len(carried), "formats": sorted({blocks[role][w].format for w in carried})}
+                "weights": len(carried), "formats": sorted({own.get(w, head).format for w in carried})}
     return record
 
 
@@ -297,7 +309,7 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
             if opts.quantize:
                 steps.set_postfix_str(f"quantizing ({opts.quantize})")
                 blocks = model_file_blocks(target, opts, draft_is_copy)
-                artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize, blocks)
+                artifacts["quantization"] = quantize_graphs(tmp, graphs, opts.quantize, blocks, opts.drafter_quantize)
             steps.update()
             manifest = Manifest(graphs=graphs, tokenizer=tokenizer, versions=_versions(),
                                 artifacts=artifacts, drafters=drafter_entries)

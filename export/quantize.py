@@ -161,6 +161,30 @@ def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
     return out
 
 
+def rows_of(model: onnx.ModelProto, source) -> dict:
+    """{weight: blocks} for each MatMul weight of `model` whose every row is a row of `source` (a drafter's head
+    over the target's LM-head rows, all or its draft vocabulary's): those rows of `source`, so the drafter's head
+    computes what the target's head does for them. A weight with one row not in `source` is left out."""
+    inits = {t.name: t for t in model.graph.initializer}
+    dense, out = None, {}
+    for node in model.graph.node:
+        init = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if init is None or len(init.dims) != 2 or init.dims[0] != source.k or node.input[1] in out:
+            continue
+        if dense is None:  # a fingerprint per row finds each candidate; the whole row then decides
+            dense = source.dense()
+            probe = np.random.default_rng(0).standard_normal(source.k)
+            prints = dense.astype(np.float64) @ probe
+            order = np.argsort(prints)
+        rows = numpy_helper.to_array(init).T
+        at = np.clip(np.searchsorted(prints[order], rows.astype(np.float64) @ probe), 0, len(order) - 1)
+        near = np.stack([order[np.clip(at - 1, 0, None)], order[at]])  # the fingerprint's neighbours
+        same = [np.isclose(dense[near[j]], rows, rtol=2**-20, atol=0).all(axis=1) for j in range(2)]
+        if (same[0] | same[1]).all():
+            out[node.input[1]] = source.take_rows(np.where(same[1], near[1], near[0]))
+    return out
+
+
 def _same_blocks(a, b) -> bool:
     return a is b or (a.format == b.format and a.q.shape == b.q.shape and np.array_equal(a.q, b.q)
             and np.array_equal(a.scales, b.scales))
@@ -217,13 +241,15 @@ def _check(weight: str, b, want: np.ndarray, exact: bool) -> None:
 
 
 def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None,
-                   fit: bool = True) -> tuple[onnx.ModelProto, int, list[str]]:
+                   fit: bool = True, head=None) -> tuple[onnx.ModelProto, int, list[str]]:
     """The quantized model, the number of MatMulNBits nodes in it and the weights carried as the model file's
-    own blocks (`blocks`, carry_blocks); int4's others as fitted blocks (export/int4_fit.py) where `fit`, and
-    whatever is left (int8, rows not of whole blocks, int4 without `fit`) by ONNX Runtime's symmetric
-    quantizer."""
+    own blocks (`blocks`, carry_blocks; `head`: the target's LM-head blocks, carried for the weights made of its
+    rows, rows_of); int4's others as fitted blocks (export/int4_fit.py) where `fit`, and whatever is left (int8,
+    rows not of whole blocks, int4 without `fit`) by ONNX Runtime's symmetric quantizer."""
     quantizer_cls, config_cls = _quantizer()
     untie_head(model)
+    if head is not None:
+        blocks = {**rows_of(model, head), **(blocks or {})}
     carried = carry_blocks(model, blocks, s) if blocks else []
     if s.bits == 4 and fit:
         carry_blocks(model, fitted_blocks(model, blocks or {}), s, exact=False)
@@ -246,13 +272,14 @@ def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None
     return out, sum(n.op_type == "MatMulNBits" for n in out.graph.node), carried
 
 
-def quantize_file(path: Path, s: Scheme, blocks: dict | None = None, fit: bool = True) -> tuple[int, list[str]]:
+def quantize_file(path: Path, s: Scheme, blocks: dict | None = None, fit: bool = True,
+                  head=None) -> tuple[int, list[str]]:
     """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the number of
     quantized MatMuls and the weights carried as the model file's blocks. Written under the final names in a
     scratch folder, then moved over."""
     path = Path(path)
     data = path.name + ".data"
-    out, count, carried = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks, fit)
+    out, count, carried = quantize_model(onnx.load(str(path), load_external_data=True), s, blocks, fit, head)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         onnx.save_model(out, str(Path(scratch) / path.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data, size_threshold=1024)

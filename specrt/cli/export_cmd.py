@@ -52,9 +52,12 @@ def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
 @click.option("--int4-head", is_flag=True,
               help="With --quantize int4 on a GGUF: quantize the LM head to int4 while carrying the other blocks. A "
                    "one-row pass streams about 14 MB less (a Q8_0 head), at a quality cost docs/quality.md measures.")
+@click.option("--drafter-quantize", type=click.Choice(["int4", "int8"]), default=None,
+              help="With --quantize: the learned drafters' own weights at this precision instead (int8: the "
+                   "layer's drafts closer to the trained head's, at twice its bytes). Default: as --quantize.")
 @click.option("--no-parity-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
 def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, requantize, int4_head,
-            no_parity_check):
+            drafter_quantize, no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.bundle import ExportOptions, export_bundle
     from specrt.export.default_model import default_model_path
@@ -68,10 +71,14 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     if int4_head and (quantize != "int4" or Path(model).suffix.lower() != ".gguf" or requantize):
         raise click.UsageError("--int4-head quantizes the head of a GGUF whose other blocks --quantize int4 carries: it "
                                "needs both, and not --requantize (which quantizes every weight)")
+    if drafter_quantize and not quantize:
+        raise click.UsageError("--drafter-quantize sets the learned drafters' precision within a quantized bundle: it "
+                               "needs --quantize")
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())
     opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,
-                         quantize=quantize, requantize=requantize, int4_head=int4_head)
+                         quantize=quantize, requantize=requantize, int4_head=int4_head,
+                         drafter_quantize=drafter_quantize)
     manifest = export_bundle(model, out, opts)
     checks = manifest.artifacts.get("parity_max_abs_logits", {})
     for role, g in manifest.graphs.items():

@@ -266,3 +266,89 @@ def test_the_draft_model_is_lossless_on_either_backend(trained_int4_bundle, laye
         got, want = gen.generate_ids(ids, 40), plain.generate_ids(ids, 40)
         assert got.token_ids == want.token_ids
         assert got.stats.draft_calls >= got.stats.steps  # the draft model really ran
+
+
+@pytest.fixture(scope="module")
+def int8_drafter_bundle(tmp_path_factory, tokenizer_dir):
+    """A tiny random target in int4 with a random EAGLE-3 drafter in int8 (`--drafter-quantize int8`)."""
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.loading import load_model
+    from tests.helpers import random_drafters, save_random_drafters, save_tiny_folder
+
+    tmp = tmp_path_factory.mktemp("int8_drafter")
+    folder = save_tiny_folder(tmp / "llama", "llama", tokenizer_dir, vocab_size=49152, max_position_embeddings=256)
+    target = load_model(folder, keep_hf=False)
+    requested = save_random_drafters(tmp, target, {"eagle3": random_drafters()["eagle3"]})
+    export_bundle(target, tmp / "bundle", ExportOptions(draft_layers=0, progress=False, quantize="int4",
+                                                        drafter_quantize="int8", drafters=tuple(requested)))
+    return tmp / "bundle"
+
+
+@pytest.mark.parametrize("kernel", list(library.KERNELS))
+def test_an_int8_drafter_layer_runs_on_the_kernels_as_the_graph_does(int8_drafter_bundle, kernel):
+    """--drafter-quantize int8: the target stays int4, the drafter's projections are 8-bit blocks, and the native
+    layer computes them as ONNX Runtime's graph does (within int8 rounding of the activations)."""
+    import onnx
+
+    from specrt.engines.native.feature import NativeFeatureLayer
+    from specrt.engines.native.weights import int4_projection
+    from specrt.engines.ort_cpu.runner import OrtDecoder
+    from specrt.engines.tables import embedding_table
+
+    if not library.supported(kernel):
+        pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
+    m, layer, fuse, cfg = _layer(int8_drafter_bundle, "eagle3")
+    q = m.artifacts["quantization"]
+    assert (q["scheme"], q["drafters"]["scheme"]) == ("int4", "int8")
+
+    def bits(path):
+        return {onnx.helper.get_attribute_value(a) for n in onnx.load(str(path), load_external_data=False).graph.node
+                if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+
+    assert bits(m.onnx_path(int8_drafter_bundle, "target")) == {4}
+    assert bits(layer) == bits(fuse) == {8}
+    model = onnx.load(str(layer))
+    inits = {t.name: t for t in model.graph.initializer}
+    by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+    assert int4_projection(layer, inits, by_weight, "layer.qkv_proj.weight").format == "q8"
+    table = embedding_table(int8_drafter_bundle / m.target.file)
+    native = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, kernel=kernel, embedding=table)
+    ort = OrtDecoder(layer, cfg, CAPACITY, 2, spin=False)
+    vocab = m.target.config.vocab_size
+    for (ln, hn), (lo, ho) in zip(_passes(native, np.random.default_rng(0), vocab),
+                                  _passes(ort, np.random.default_rng(0), vocab, table), strict=True):
+        assert np.abs(ln - lo).max() <= 0.02 * np.abs(lo).max(), np.abs(ln - lo).max()
+        assert np.abs(hn - ho).max() <= 0.02 * np.abs(ho).max()
+        assert_same_winners(ln, lo)
+
+
+def test_an_int8_drafter_keeps_the_output_the_targets(int8_drafter_bundle):
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(int8_drafter_bundle, drafter="eagle3", max_seq_len=128, backend="native", tree_nodes=6, beam=3)
+    assert gen.drafter.layer.backend == "native"
+    plain = Generator(int8_drafter_bundle, drafter="plain", max_seq_len=128, backend="native")
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 9, 12]
+    got, want = gen.generate_ids(prompt, 40), plain.generate_ids(prompt, 40)
+    assert got.token_ids == want.token_ids and got.stats.draft_calls >= got.stats.steps
+
+
+def test_a_drafters_head_is_the_targets_own_head_rows(trained_int4_bundle):
+    """A GGUF target's LM head is carried in its own blocks (Q8_0 here); EAGLE-3's head, the target's rows of its
+    draft vocabulary, carries those very blocks, not a second rounding of them."""
+    import onnx
+
+    from specrt.engines.native.weights import int4_projection, read
+
+    m = Manifest.load(trained_int4_bundle)
+    carried = m.artifacts["quantization"]["from_model_file"]
+    assert carried["eagle3"] == {"weights": 1, "formats": ["q8"]}
+    target = read(trained_int4_bundle / m.target.file, m.target.config).head
+    _, layer, _, _ = _layer(trained_int4_bundle, "eagle3")
+    model = onnx.load(str(layer))
+    inits = {t.name: t for t in model.graph.initializer}
+    by_weight = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+    head = int4_projection(layer, inits, by_weight, "lm_head.weight.T")
+    ids = np.load(trained_int4_bundle / m.drafter("eagle3", trained_int4_bundle)["vocab_ids"])
+    assert head.format == target.format == "q8" and head.n == len(ids)
+    assert np.array_equal(head.q, target.q[ids]) and np.array_equal(head.scales, target.scales[ids])

@@ -120,3 +120,39 @@ def test_unknown_scheme_is_refused_before_loading(tmp_path):
     assert result.exit_code != 0 and "int3" in result.output
     with pytest.raises(Exception, match="int3"):
         quantize.scheme("int3")
+
+
+def test_a_weight_made_of_the_heads_rows_carries_their_blocks():
+    """rows_of: a MatMul weight whose rows are rows of the target's head (any order, any subset) takes those rows'
+    blocks; a weight with one row that is not the head's, or of another width, takes none."""
+    from specrt.export.gguf_blocks import Blocks
+
+    rng = np.random.default_rng(0)
+    head = Blocks("q8", 64, rng.integers(-128, 128, (40, 2, 32)).astype(np.int8),
+                  rng.uniform(0.01, 0.1, (40, 2)).astype(np.float32))
+    dense = head.dense()
+    pick = np.array([7, 3, 39, 0, 12])
+    other = dense[pick].copy()
+    other[2, 5] += 1e-3
+
+    def model(weights):
+        nodes = [helper.make_node("MatMul", ["x", name], [f"y{i}"]) for i, name in enumerate(weights)]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                                  [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
+                                   for i in range(len(weights))],
+                                  [numpy_helper.from_array(w, name) for name, w in weights.items()])
+        return helper.make_model(graph)
+
+    got = quantize.rows_of(model({"rows": dense[pick].T.copy(), "other": other.T.copy(),
+                                  "narrow": dense[pick, :32].T.copy()}), head)
+    assert list(got) == ["rows"]
+    b = got["rows"]
+    assert np.array_equal(b.q, head.q[pick]) and np.array_equal(b.scales, head.scales[pick])
+    assert np.array_equal(b.dense(), dense[pick])
+
+
+def test_a_drafter_precision_without_quantize_is_refused(tmp_path):
+    result = CliRunner().invoke(cli, ["export", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "b"),
+                                      "--drafter-quantize", "int8"])
+    assert result.exit_code == 2 and "--drafter-quantize" in result.output and "needs --quantize" in result.output
+    assert not (tmp_path / "b").exists()
