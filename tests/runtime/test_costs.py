@@ -60,6 +60,18 @@ def test_measure_reads_the_clock_it_is_given():
     assert all(past == 16 for _, past in dec.calls[1:]) and len(dec.calls) == 1 + 4 * 4
 
 
+def test_a_busy_stretch_does_not_bend_the_curve():
+    """Other work takes the CPU for a while (every pass 3x slower from the 6th to the 13th): the sizes take turns
+    and each keeps its fastest pass, so the curve is the quiet machine's, not one with a bump where the load was."""
+    clock = FakeClock()
+    dec = _PacedDecoder(clock, lambda n: 0.0)
+    quiet = lambda n: 0.002 + 0.0005 * max(n - 2, 0)  # noqa: E731
+    dec.cost = lambda n: quiet(n) * (3 if 6 <= len(dec.calls) <= 13 else 1)
+    curve = measure(dec, 100, rows=(1, 2, 4, 8), repeats=4, warmup=1, context=16, clock=clock)
+    assert curve.seconds == pytest.approx(tuple(quiet(n) for n in (1, 2, 4, 8)))
+    assert [n for n, _ in dec.calls[1:5]] == [1, 2, 4, 8]  # one of each size, then again
+
+
 def test_cached_per_machine_and_measured_again_when_damaged(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRT_HOME", str(tmp_path))
     manifest, mode = Manifest.load(tiny_bundle), exec_mode("direct")
