@@ -105,11 +105,17 @@ bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 tune: build
 	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
+# Requests about real code, cut from this Python's standard library (not committed: the machine's own code).
+CODE_PROMPTS ?= $(SPECRT_HOME)/train/code.jsonl
+$(CODE_PROMPTS): | setup
+	$(SPECRT) code-prompts -o $@ --count 3000
+
 # The deployed target's own answers at scale, with its own states as the features (resumable: run it again
 # to go on after a stop).
-distill: build
+distill: build $(CODE_PROMPTS)
 	$(SPECRT) distill --backend native --target $(BUNDLE) --prompts specrt/data/train_prompts.jsonl \
-		--prompts $(SHIPPED_DRAFTERS)/prompts/magpie.jsonl --tokens $(DISTILL_TOKENS) --slots 32 --store $(STORE)
+		--prompts $(SHIPPED_DRAFTERS)/prompts/magpie.jsonl --prompts $(CODE_PROMPTS) --tokens $(DISTILL_TOKENS) \
+		--slots 32 --store $(STORE)
 
 # Self-distil every drafter kind for the default model on the graph-featured store (≤ TRAIN_MINUTES each).
 train: distill
@@ -118,7 +124,7 @@ train: distill
 
 # The shipped drafter, trained again with the command its metrics.json records (SHIPPED_TRAIN_FLAGS).
 SHIPPED_KIND ?= eagle3
-SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 2.5 --max-minutes 120 --batch 8 --lr 5e-4 --steps 3 \
+SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 1.5 --max-minutes 75 --batch 8 --lr 5e-4 --steps 3 \
 	--save-dtype fp16
 train-shipped: distill
 	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE) $(SHIPPED_TRAIN_FLAGS) -o $(SPECRT_HOME)/drafters/$(SHIPPED_KIND)
