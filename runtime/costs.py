@@ -31,7 +31,8 @@ from specrt.runtime.clock import Clock
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 11, 16)  # window sizes measured: chains of 0..4 drafts, trees up to 15 nodes
 CONTEXT = 128  # KV rows before the measured window
-VERSION = 1  # bump when what is measured changes: older cache files are measured again
+# bump when what is measured changes: older cache files are measured again (2: sizes in turns, fastest pass)
+VERSION = 2
 
 
 @dataclass(frozen=True)

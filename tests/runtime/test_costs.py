@@ -72,6 +72,16 @@ def test_a_busy_stretch_does_not_bend_the_curve():
     assert [n for n, _ in dec.calls[1:5]] == [1, 2, 4, 8]  # one of each size, then again
 
 
+def test_a_curve_measured_the_old_way_is_measured_again(tiny_bundle, monkeypatch):
+    """The way of measuring is part of the cache key: a curve cached by an older version is not read."""
+    from specrt.runtime import costs
+
+    manifest = Manifest.load(tiny_bundle)
+    now = key(tiny_bundle, manifest, 1, "ort", "direct")
+    monkeypatch.setattr(costs, "VERSION", costs.VERSION - 1)
+    assert key(tiny_bundle, manifest, 1, "ort", "direct") != now
+
+
 def test_cached_per_machine_and_measured_again_when_damaged(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRT_HOME", str(tmp_path))
     manifest, mode = Manifest.load(tiny_bundle), exec_mode("direct")
