@@ -184,6 +184,7 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
         record["drafters"] = quantize.describe(drafters)
     blocks = blocks or {}
     head = next((blocks["target"][w] for w in HEAD_WEIGHTS if w in blocks.get("target", {})), None)
+    rows = quantize.HeadRows(head) if head is not None else None  # indexed once for every drafter graph
     for role, entry in graphs.items():
         learned = role not in DECODER_ROLES
         s = quantize.scheme(drafters or name if learned else name)
@@ -193,7 +194,7 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
         # drafts stopped being accepted with it)
         own = blocks.get(role) or {}
         record["matmuls"][role], carried = quantize.quantize_file(path, s, own, fit=not learned,
-                                                                  head=head if learned else None)
+                                                                  head=rows if learned else None)
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
         if carried:  # what the graph really carries (a truncated draft: only its layers')
             record.setdefault("from_model_file", {})[role] = {

@@ -161,23 +161,38 @@ def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
     return out
 
 
-def rows_of(model: onnx.ModelProto, source) -> dict:
-    """{weight: blocks} for each MatMul weight of `model` whose every row is a row of `source` (a drafter's head
-    over the target's LM-head rows, all or its draft vocabulary's): those rows of `source`, so the drafter's head
-    computes what the target's head does for them. A weight with one row not in `source` is left out."""
+class HeadRows:
+    """The target's LM-head blocks, indexed once (at first use) for every drafter graph of an export: each row's
+    dense values and a fingerprint of them, sorted, so a row is found by its fingerprint and then compared whole."""
+
+    def __init__(self, source):
+        self.source, self._index = source, None
+
+    def index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(dense rows, probe, sorted fingerprints, their row order)."""
+        if self._index is None:
+            dense = self.source.dense()
+            probe = np.random.default_rng(0).standard_normal(self.source.k)
+            prints = dense.astype(np.float64) @ probe
+            order = np.argsort(prints)
+            self._index = dense, probe, prints[order], order
+        return self._index
+
+
+def rows_of(model: onnx.ModelProto, head: HeadRows) -> dict:
+    """{weight: blocks} for each MatMul weight of `model` whose every row is a row of `head`'s blocks (a drafter's
+    head over the target's LM-head rows, all or its draft vocabulary's): those rows of the blocks, so the
+    drafter's head computes what the target's head does for them. A weight with one row not there is left out."""
+    source = head.source
     inits = {t.name: t for t in model.graph.initializer}
-    dense, out = None, {}
+    out = {}
     for node in model.graph.node:
         init = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if init is None or len(init.dims) != 2 or init.dims[0] != source.k or node.input[1] in out:
             continue
-        if dense is None:  # a fingerprint per row finds each candidate; the whole row then decides
-            dense = source.dense()
-            probe = np.random.default_rng(0).standard_normal(source.k)
-            prints = dense.astype(np.float64) @ probe
-            order = np.argsort(prints)
+        dense, probe, prints, order = head.index()
         rows = numpy_helper.to_array(init).T
-        at = np.clip(np.searchsorted(prints[order], rows.astype(np.float64) @ probe), 0, len(order) - 1)
+        at = np.clip(np.searchsorted(prints, rows.astype(np.float64) @ probe), 0, len(order) - 1)
         near = np.stack([order[np.clip(at - 1, 0, None)], order[at]])  # the fingerprint's neighbours
         same = [np.isclose(dense[near[j]], rows, rtol=2**-20, atol=0).all(axis=1) for j in range(2)]
         if (same[0] | same[1]).all():
@@ -241,7 +256,7 @@ def _check(weight: str, b, want: np.ndarray, exact: bool) -> None:
 
 
 def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None,
-                   fit: bool = True, head=None) -> tuple[onnx.ModelProto, int, list[str]]:
+                   fit: bool = True, head: HeadRows | None = None) -> tuple[onnx.ModelProto, int, list[str]]:
     """The quantized model, the number of MatMulNBits nodes in it and the weights carried as the model file's
     own blocks (`blocks`, carry_blocks; `head`: the target's LM-head blocks, carried for the weights made of its
     rows, rows_of); int4's others as fitted blocks (export/int4_fit.py) where `fit`, and whatever is left (int8,
@@ -273,7 +288,7 @@ def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None
 
 
 def quantize_file(path: Path, s: Scheme, blocks: dict | None = None, fit: bool = True,
-                  head=None) -> tuple[int, list[str]]:
+                  head: HeadRows | None = None) -> tuple[int, list[str]]:
     """Quantize the graph at `path` (external data beside it, `<name>.data`) in place; returns the number of
     quantized MatMuls and the weights carried as the model file's blocks. Written under the final names in a
     scratch folder, then moved over."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from importlib import resources
-from pathlib import Path
 
 
 def main() -> None:
@@ -27,11 +25,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
+    from specrt.cli.bench_cmd import prompt_set
     from specrt.runtime.generate import Generator
-    from specrt.tools.bench import load_prompts
 
-    prompts = load_prompts(Path(str(resources.files("specrt") / "data" / "train_prompts.jsonl")), "heldout",
-                           args.per_category)
+    prompts = prompt_set("heldout", args.per_category)
     gen = Generator(args.bundle, drafter=args.drafter, max_seq_len=1024, backend="native", threads=args.threads,
                     tree_nodes=1, beam=1)
     plain = Generator(args.bundle, drafter="plain", max_seq_len=1024, backend="native", threads=args.threads)

@@ -144,7 +144,7 @@ def test_a_weight_made_of_the_heads_rows_carries_their_blocks():
         return helper.make_model(graph)
 
     got = quantize.rows_of(model({"rows": dense[pick].T.copy(), "other": other.T.copy(),
-                                  "narrow": dense[pick, :32].T.copy()}), head)
+                                  "narrow": dense[pick, :32].T.copy()}), quantize.HeadRows(head))
     assert list(got) == ["rows"]
     b = got["rows"]
     assert np.array_equal(b.q, head.q[pick]) and np.array_equal(b.scales, head.scales[pick])
