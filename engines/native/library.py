@@ -27,8 +27,9 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 
 SOURCES = Path(__file__).with_name("csrc")
-FILES = ("w4a8.h", "w4a8.cpp", "pool.h", "ops.h", "ops.inc", "ops_ref.cpp", "ops_avx2.cpp", "model.cpp")
-UNITS = ("model.cpp", "w4a8.cpp", "ops_ref.cpp", "ops_avx2.cpp")
+FILES = ("w4a8.h", "w4a8.cpp", "pool.h", "ops.h", "ops.inc", "ops_ref.cpp", "ops_avx2.cpp", "x86_attend.inc",
+         "ops_avx512.cpp", "model.cpp")
+UNITS = ("model.cpp", "w4a8.cpp", "ops_ref.cpp", "ops_avx2.cpp", "ops_avx512.cpp")
 # -ffp-contract=off: no float operation is fused behind the code's back, so the kernels built for different
 # instruction sets compute the same values (csrc/ops.inc)
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-math-errno",

@@ -20,7 +20,12 @@
 
 namespace spn {
 
-static Ops ops_for(Isa isa) { return isa == kScalar ? reference_ops() : avx2_ops(); }
+// Each kernel's table of per-row operations (every table computes the reference's values): the avx512vnni and
+// amx kernels need AVX-512 F/VL/BW, so they take its attention.
+static Ops ops_for(Isa isa) {
+  static Ops (*const tables[kIsaCount])() = {reference_ops, avx2_ops, avx512_ops, avx512_ops};
+  return tables[isa]();
+}
 
 static thread_local std::string g_error;
 

@@ -22,6 +22,7 @@ struct Ops {
 };
 
 Ops reference_ops();
-Ops avx2_ops();  // x86 only; callers check isa_supported(kAvx2) first
+Ops avx2_ops();    // x86 only; callers check isa_supported(kAvx2) first
+Ops avx512_ops();  // x86 only; callers check isa_supported(kAvx512Vnni) first
 
 }  // namespace spn

@@ -19,81 +19,7 @@ namespace spn {
 namespace avx2 {
 #include "ops.inc"
 
-// exp_c on 8 lanes.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // -87 > x ? -87 : x, as exp_c's clamp
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
-  const __m256 round = _mm256_set1_ps(kRound);
-  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), round), round);
-  __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                           _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_add_ps(_mm256_set1_ps(0.00833333377f), _mm256_mul_ps(r, _mm256_set1_ps(0.00138888892f)));
-  p = _mm256_add_ps(_mm256_set1_ps(0.0416666679f), _mm256_mul_ps(r, p));
-  p = _mm256_add_ps(_mm256_set1_ps(0.166666672f), _mm256_mul_ps(r, p));
-  p = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(r, p));
-  p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
-  p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
-  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// 8 cache values as floats: a float cache's own, a half cache's exact values (vcvtph2ps).
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// dot_c of q with one cache row of 8 * C values, on 8 lanes (lane l is dot_c's accumulator l): a window's own
-// rows, which no other query shares, read (and a half cache's converted) in vectors.
-template <int C, typename KV>
-static inline float dot8(const float* q, const KV* k) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int c = 0; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), ld8(k + 8 * c), acc);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  return hsum8(lanes);
-}
-
-// hsum8 of 8 vectors at once: lane i of the result is hsum8(v[i]).
-static inline __m256 hsum8x8(const __m256* v) {
-  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// 8 keys' scores at once: dot_c of q with each of the 8 rows `kp` (lane l of a chunk is dot_c's accumulator l),
-// reduced in hsum8's order.
-template <int C, typename KV>
-static inline void scores8(const float* q, const KV* const* kp, float* s) {
-  __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (int c = 0; c < C; ++c) {
-    __m256 qc = _mm256_loadu_ps(q + 8 * c);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, ld8(kp[i] + 8 * c), acc[i]);
-  }
-  _mm256_storeu_ps(s, hsum8x8(acc));
-}
-
-// ops.inc's attend for every query of one key/value head, the shared cache rows walked in blocks of kKeyBlock: a
-// block's keys (and then its values) are read from memory once and stay in L1 while every query uses them. Each
-// query's scores, softmax and weighted sum are attend's operations in attend's order (a score does not depend on
-// the block it is computed in; each output lane sums its keys in key order), so each output is attend's,
-// bitwise, however many queries share the walk.
-constexpr int kKeyBlock = 32;
-
-// Cache rows [j0, j1) as floats: a float cache's own rows in place; a half cache's converted once into `buf`
-// (exactly), so the queries sharing the block (a GQA group's heads, a window's rows) read floats from L1 rather
-// than each converting the halves again.
-template <int C>
-static inline const float* block_rows(const float* base, int j0, int, float*) {
-  return base + static_cast<size_t>(j0) * 8 * C;
-}
-template <int C>
-static inline const float* block_rows(const uint16_t* base, int j0, int j1, float* buf) {
-  const uint16_t* src = base + static_cast<size_t>(j0) * 8 * C;
-  for (int i = 0; i < (j1 - j0) * C; ++i) _mm256_store_ps(buf + 8 * i, ld8(src + 8 * i));
-  return buf;
-}
+#include "x86_attend.inc"
 
 template <int C, typename KV>
 static void attend_many_fast(const float* const* q, int nq, const KV* kc, const KV* vc, int prefix,
@@ -120,8 +46,7 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
     float* s = scores + static_cast<size_t>(i) * lds;
     const int n = prefix + n_extra[i];
     for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], kc + static_cast<size_t>(extra[i][e]) * d);
-    float m = s[0];
-    for (int j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
+    const float m = max_scores(s, n);
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     int j = 0;
