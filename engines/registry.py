@@ -81,7 +81,9 @@ class Backend:
     # (bundle, manifest, role) -> the ONNX file a decoder of several sequences runs, where it is another one
     # than `graph_file` (ort-fused: its batch-1 graph pads GroupQueryAttention with a row, which batches refuse)
     batched_graph_file: Callable[..., Path] | None = None
-    half_kv: bool = False  # its KV cache can hold fp16 (a `kv_dtype` option); --kv-dtype auto picks it there
+    # the dtypes its KV cache can hold besides fp32 (a `kv_dtype` option where any); --kv-dtype auto picks fp16
+    # where it is one
+    kv_dtypes: tuple[str, ...] = ()
     # its KV cache is numpy arrays in host memory, [batch, kv_heads, capacity, head_dim] per buffer (`kv`), whose
     # rows the serving prefix cache copies (serving/prefix_cache.py)
     host_kv: bool = False
@@ -91,7 +93,7 @@ BACKENDS: dict[str, Backend] = {
     "ort": Backend(_ort, "ONNX Runtime on the CPU (default)", host_kv=True),
     "native": Backend(_native, "specrt's own batch-invariant int4 kernels on the CPU (int4 Llama-family bundles; "
                       "compiled on first use)", graph_file=lambda bundle, manifest, role: Path(bundle) / manifest.graphs[role].file,
-                      half_kv=True, host_kv=True),
+                      kv_dtypes=("fp16", "int8"), host_kv=True),
     "ort-device": Backend(_ort_device, "ONNX Runtime's device path on the CPU provider (for tests)"),
     "ort-cuda": Backend(_ort_cuda, "ONNX Runtime's CUDA provider with CUDA graphs (onnxruntime-gpu)"),
     "trt": Backend(_trt, "TensorRT engines from `specrt build --backend trt` (batch 1)",

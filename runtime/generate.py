@@ -71,9 +71,10 @@ class Generator:
         (cached) where `clock` is the real one; a test's clock scripts every second, so it gets none unless
         it gives a `CostCurve`; None: none (adaptive depth fits a line to the steps).
 
-        `kv_dtype`: the target's KV cache, fp32 or fp16 (native only: each key and value rounded to the
-        nearest half as it is written; plain and speculative decoding share that rounding, so they stay
-        bitwise equal); auto: fp16 where the backend holds it, else fp32."""
+        `kv_dtype`: the target's KV cache, fp32, fp16 or int8 (native only: each key and value rounded to the
+        nearest half, or each block of 32 to int8 codes and a scale, as it is written; plain and speculative
+        decoding share that rounding, so they stay bitwise equal); auto: fp16 where the backend holds it, else
+        fp32."""
         self.clock = clock
         if costs == "auto":
             costs = "measure" if clock is time.perf_counter else None

@@ -44,22 +44,22 @@ def kv_capacity(max_seq_len: int | None, cfg) -> int:
     return int(max_seq_len)
 
 
-KV_DTYPES = ("auto", "fp32", "fp16")
+KV_DTYPES = ("auto", "fp32", "fp16", "int8")
 
 
 def kv_cache_dtype(requested: str, backend: str) -> str:
     """The KV cache's dtype on `backend` for --kv-dtype `requested`: auto is fp16 where the backend's cache holds
-    halves (engines/registry.py `half_kv`: half the bytes attention streams per pass, half the memory per
+    halves (engines/registry.py `kv_dtypes`: half the bytes attention streams per pass, half the memory per
     slot), fp32 elsewhere; a dtype the backend cannot hold is refused."""
     if requested not in KV_DTYPES:
         raise SpecrtError(f"--kv-dtype {requested!r}: choose one of {', '.join(KV_DTYPES)}")
-    half = backend_entry(backend).half_kv
+    held = backend_entry(backend).kv_dtypes
     if requested == "auto":
-        return "fp16" if half else "fp32"
-    if requested == "fp16" and not half:
-        able = " or ".join(name for name, entry in BACKENDS.items() if entry.half_kv)
-        raise SpecrtError(f"--kv-dtype fp16: the {backend} backend keeps its KV cache in fp32; fp16 runs on "
-                          f"--backend {able} (or use --kv-dtype auto)")
+        return "fp16" if "fp16" in held else "fp32"
+    if requested != "fp32" and requested not in held:
+        able = " or ".join(name for name, entry in BACKENDS.items() if requested in entry.kv_dtypes)
+        raise SpecrtError(f"--kv-dtype {requested}: the {backend} backend keeps its KV cache in fp32; {requested} "
+                          f"runs on --backend {able} (or use --kv-dtype auto)")
     return requested
 
 
@@ -99,7 +99,7 @@ class TargetModel:
             rows, self.capacity = self.capacity, self.capacity - (mode.min_rows - 1)
         self.backend, self.threads = backend, threads
         self.kv_dtype = kv_cache_dtype(kv_dtype, backend)
-        options = {"kv_dtype": self.kv_dtype} if backend_entry(backend).half_kv else {}
+        options = {"kv_dtype": self.kv_dtype} if backend_entry(backend).kv_dtypes else {}
         self.decoder = shaped(open_decoder(backend, self.bundle, self.manifest, "target", rows, threads, self.slots,
                                            **options), mode)
 

@@ -1,7 +1,7 @@
 """Where a serving step's time goes, without HTTP: the scheduler stepped in this thread over N requests.
 
     python scripts/serve_steps.py BUNDLE [--users 1,4,16] [--requests 48] [--max-tokens 128] [--threads 2]
-                                         [--kv-dtype auto|fp32|fp16] [--prefix-cache-mb MB]
+                                         [--kv-dtype auto|fp32|fp16|int8] [--prefix-cache-mb MB]
 
 For each user count: that many KV slots, `--requests` distinct held-out chat prompts all queued at once,
 greedy plain decoding, stepped until every request ends. Prints tokens/s, the seconds in target passes and
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16"])
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"])
     ap.add_argument("--prefix-cache-mb", type=int, default=0, help="the prefix cache's size (0: none)")
     args = ap.parse_args()
     prompts = [p.prompt for p in prompt_set("heldout", None)][: args.requests]

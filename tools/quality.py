@@ -30,7 +30,8 @@ def verdict(report: dict, bounds: Bounds) -> str:
 
 
 def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: int = 2, backend: str = "auto",
-                  bounds: Bounds = Bounds()) -> dict:
+                  bounds: Bounds = Bounds(), kv_dtype: str = "auto") -> dict:
+    """`kv_dtype`: the target's KV cache (runtime/target.py kv_cache_dtype): what the prefill's attention reads."""
     try:
         import torch
 
@@ -69,7 +70,8 @@ def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: in
     held = load_prompts("heldout")
     rows = held[:: max(1, len(held) // prompts)][:prompts]
     seqs = [reference(encode(loaded, row["prompt"])) for row in rows]
-    target = TargetModel(bundle, max_seq_len=max(len(ids) for ids, _ in seqs) + 8, threads=threads, backend=backend)
+    target = TargetModel(bundle, max_seq_len=max(len(ids) for ids, _ in seqs) + 8, threads=threads, backend=backend,
+                         kv_dtype=kv_dtype)
     nll = ref_nll = kl = agree = n = 0.0
     for ids, ref in seqs:
         got = torch.from_numpy(np.asarray(target.forward(ids[:-1], 0)["logits"][0], np.float64)).log_softmax(-1)
@@ -79,7 +81,8 @@ def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: in
         kl += (ref.exp() * (ref - got)).sum().item()
         agree += (got.argmax(-1) == ref.argmax(-1)).sum().item()
         n += len(answer)
-    report = {"bundle": str(bundle), "backend": target.backend, "reference": str(loaded.source), "prompts": len(rows),
+    report = {"bundle": str(bundle), "backend": target.backend, "kv_dtype": target.kv_dtype,
+              "reference": str(loaded.source), "prompts": len(rows),
               "positions": int(n), "perplexity": round(float(np.exp(nll / n)), 4),
               "reference_perplexity": round(float(np.exp(ref_nll / n)), 4),
               "ratio": round(float(np.exp((nll - ref_nll) / n)), 4), "top1_agreement": round(agree / n, 4),

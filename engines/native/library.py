@@ -54,7 +54,7 @@ SIGNATURES = {
     "spn_set_linear": (I32, [P, I32, I32, I32, I32, I32, P, I64, P, I64, P, I64, P, I64]),
     "spn_set_rope": (I32, [P, I32, I32, P, P]),
     "spn_set_taps": (I32, [P, I32, P]),
-    "spn_set_kv_half": (I32, [P, I32]),
+    "spn_set_kv_format": (I32, [P, I32]),
     "spn_to_half": (I32, [I32, P, I64, P]),
     "spn_pass": (I32, [P, I32, I32, P, P, P, P, I32, P, P, I64, I32, P, P, P]),
     "spn_pass_ragged": (I32, [P, I32, P, P, P, P, P, P, P, P, I64, I32, P, P, P]),

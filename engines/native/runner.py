@@ -7,7 +7,11 @@ They hold float16 (`kv_dtype`, the default: what the runtime's `--kv-dtype auto`
 answers, cost curves and exactness checks see the cache the runtime has) or float32; a half is each key
 and value rounded to nearest when it is written, read back exactly, so a row's arithmetic still depends on
 that row alone; half the bytes for attention to read (it streams every sequence's cache in every layer)
-and for the cache to hold.
+and for the cache to hold. `int8` (--kv-dtype int8) holds each row of a head as blocks of 32 codes and a
+float scale (the activations' rounding rule, csrc/ops.inc to_q8; [.., capacity, head_dim / 32 * 36] bytes):
+0.56 of a half cache's bytes. Its rounding is coarser than a half's, so it changes what the model computes
+(as llama.cpp's q8_0 cache does), and like a half it is a function of the row alone: speculation stays
+exact against plain decoding on the same cache.
 Output buffers are reused across passes while nothing else refers to them (as engines/ort_cpu/runner.py).
 """
 
@@ -32,7 +36,10 @@ def check_threads(threads: int) -> None:
                           "more than this machine's CPUs only slow it: use --threads $(nproc) or fewer")
 
 
-KV_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# --kv-dtype -> (csrc/ops.h KvFormat, the buffers' numpy dtype, a row's size in that dtype for head size d):
+# int8 rows are blocks of 32 values, each a float32 scale then 32 int8 codes (36 bytes)
+KV_DTYPES = {"fp32": (0, np.float32, lambda d: d), "fp16": (1, np.float16, lambda d: d),
+             "int8": (2, np.int8, lambda d: d // 32 * 36)}
 
 
 class NativeDecoder(Decoder):
@@ -66,13 +73,14 @@ class NativeDecoder(Decoder):
         self.rope_rows = capacity + 64
         ok &= calls.set_rope(lib, h, *rope_tables(cfg, self.rope_rows))
         ok &= calls.set_taps(lib, h, self.taps)
-        ok &= lib.spn_set_kv_half(h, int(kv_dtype == "fp16")) == 0
+        fmt, dtype, row = KV_DTYPES[kv_dtype]
+        ok &= lib.spn_set_kv_format(h, fmt) == 0
         if not ok:
             raise SpecrtError(f"native backend: loading {path} failed: {library.last_error()}")
-        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, capacity, row(cfg.head_dim))
         self.kv_dtype = kv_dtype
-        self.kv = [np.zeros(shape, KV_DTYPES[kv_dtype]) for _ in range(2 * cfg.num_layers)]
-        self._slot_stride = cfg.num_kv_heads * capacity * cfg.head_dim
+        self.kv = [np.zeros(shape, dtype) for _ in range(2 * cfg.num_layers)]
+        self._slot_stride = cfg.num_kv_heads * capacity * shape[3]
         self._kv_ptrs: dict[int, ctypes.Array] = {}
         self.slots = (0, batch)
         self._outputs: dict[str, list] = {}

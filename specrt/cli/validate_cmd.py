@@ -27,6 +27,8 @@ from specrt.errors import SpecrtError
               help="--quality: held-out prompts scored.")
 @click.option("--quality-tokens", type=click.IntRange(min=2), default=48, show_default=True,
               help="--quality: the reference's greedy answer tokens per prompt.")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp32", "fp16", "int8"]), default=None,
+              help="With --quality: the target's KV cache (as `specrt generate --kv-dtype`; default auto).")
 @click.option("--drafter", default="ngram", show_default=True, help="Drafter to check: ngram, draft, ...")
 @click.option("--tree", type=UTF8, default="default", show_default=True, help="Tree shape to check (chain, a name or FILE).")
 @click.option("--samples", type=click.IntRange(min=50), default=1000, show_default=True)
@@ -39,11 +41,13 @@ from specrt.errors import SpecrtError
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @functools.partial(verify_option, help="First check every bundle file against the SHA-256 digests in manifest.json "
                    "(each one hashed again).")
-def command(bundle, lossless, polygraphy, quality, quality_prompts, quality_tokens, drafter, tree, samples, length,
-            top_k, seed, threads, as_json, verify):
+def command(bundle, lossless, polygraphy, quality, quality_prompts, quality_tokens, kv_dtype, drafter, tree, samples,
+            length, top_k, seed, threads, as_json, verify):
     """Validate BUNDLE; exits 0 only if every requested check passes."""
     if not (lossless or polygraphy or quality):
         raise SpecrtError("choose a check: --lossless, --polygraphy and/or --quality")
+    if kv_dtype is not None and not quality:
+        raise SpecrtError("--kv-dtype applies to --quality only: add --quality, or leave --kv-dtype out")
     if verify:  # before the checks: their verdicts say nothing about files that are not the exported ones
         from specrt.schema.integrity import verify_bundle
         from specrt.schema.manifest import Manifest
@@ -56,7 +60,8 @@ def command(bundle, lossless, polygraphy, quality, quality_prompts, quality_toke
     if lossless:
         reports["lossless"] = _lossless(bundle, drafter, tree, samples, length, top_k, seed, threads, as_json)
     if quality:
-        reports["quality"] = _quality(resolve_bundle(bundle), quality_prompts, quality_tokens, threads, as_json)
+        reports["quality"] = _quality(resolve_bundle(bundle), quality_prompts, quality_tokens, threads, as_json,
+                                      kv_dtype or "auto")
     if as_json:  # --lossless alone prints its report as before; with other checks, one object keyed by check
         click.echo(json.dumps(reports["lossless"] if set(reports) == {"lossless"} else reports))
     if any(r["verdict"] != "pass" for r in reports.values()):
@@ -73,13 +78,13 @@ def _polygraphy(bundle, threads, as_json) -> dict:
     return report
 
 
-def _quality(bundle, prompts, tokens, threads, as_json) -> dict:
+def _quality(bundle, prompts, tokens, threads, as_json, kv_dtype) -> dict:
     from specrt.tools.quality import quality_check
 
-    r = quality_check(bundle, prompts, tokens, threads=threads)
+    r = quality_check(bundle, prompts, tokens, threads=threads, kv_dtype=kv_dtype)
     if not as_json:
         b = r["bounds"]
-        click.echo(f"quality ({r['backend']}, {r['positions']} held-out positions vs {r['reference']} in fp32): "
+        click.echo(f"quality ({r['backend']}, {r['kv_dtype']} KV cache, {r['positions']} held-out positions vs {r['reference']} in fp32): "
                    f"perplexity {r['perplexity']:.3f} vs {r['reference_perplexity']:.3f} (ratio {r['ratio']:.4f}, bound "
                    f"{b['max_ratio']}), top-1 agreement {r['top1_agreement']:.3f} (bound {b['min_top1']}), KL "
                    f"{r['kl']:.4f} → {r['verdict']}")

@@ -28,3 +28,18 @@ def test_the_verdict_holds_both_bounds():
     assert verdict({**good, "ratio": 1.30}, Bounds()) == "fail"
     assert verdict({**good, "top1_agreement": 0.65}, Bounds()) == "fail"
     assert verdict(good, Bounds(max_ratio=1.001)) == "fail"
+
+
+def test_an_int8_kv_cache_stays_within_the_bounds(trained_int4_bundle):
+    """--kv-dtype int8 rounds every key and value the prefill's attention reads to int8 blocks: measured
+    (docs/quality.md) it moves the model less than the bounds allow."""
+    r = CliRunner().invoke(cli, ["validate", str(trained_int4_bundle), "--quality", "--kv-dtype", "int8", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.JSONDecoder().raw_decode(r.output[r.output.rindex('{"quality"'):])[0]["quality"]
+    assert report["kv_dtype"] == "int8" and report["backend"] == "native"
+    assert report["verdict"] == "pass" and report["kl"] < 0.02, report
+
+
+def test_a_kv_dtype_without_the_quality_check_is_refused(tmp_path):
+    r = CliRunner().invoke(cli, ["validate", str(tmp_path), "--lossless", "--kv-dtype", "int8"])
+    assert r.exit_code != 0 and "--kv-dtype applies to --quality only" in str(r.exception)

@@ -1,6 +1,6 @@
 """The native backend's decoder pass on tiny int4 bundles: batch-invariant on every kernel branch (the runtime's
-own invariance checks, all exactly 0), bitwise the same on every branch, with a float or a half KV cache, close
-to ONNX Runtime's int4 graph, and refusing what it does not compute."""
+own invariance checks, all exactly 0), bitwise the same on every branch, with a float, half or int8 KV cache,
+close to ONNX Runtime's int4 graph, and refusing what it does not compute."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from specrt.engines.native import library
 from tests.helpers import export_tiny as tiny_bundle
 
 HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # the hand-vectorized attention
+HEAD_DIM_32 = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # the generic loop; int8 blocks fit
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def bundle(request, tmp_path_factory):
-    """Llama (head_dim 64) and Qwen2 (q|k|v bias; head_dim 16: the generic attention loop)."""
-    extra = HEAD_DIM_64 if request.param == "llama" else {}
+    """Llama (head_dim 64) and Qwen2 (q|k|v bias; head_dim 32: the generic attention loop)."""
+    extra = HEAD_DIM_64 if request.param == "llama" else HEAD_DIM_32
     return tiny_bundle(tmp_path_factory.mktemp(request.param), request.param, **extra)
 
 
-KV_DTYPES = ["fp32", "fp16"]
+KV_DTYPES = ["fp32", "fp16", "int8"]
 
 
 def decoder(bundle, kernel: str, rows: int = 300, batch: int = 3, backend: str = "native", kv_dtype: str = "fp32"):
@@ -135,13 +136,55 @@ def test_a_half_cache_holds_each_key_and_value_rounded_to_the_nearest_half(bundl
     assert moved > 0  # the halves are what attention reads
 
 
+def _q8(x: np.ndarray) -> np.ndarray:
+    """numpy's to_q8 of rows [..., d]: bytes [..., d / 32 * 36], each block its float32 scale then its codes."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    m = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(m > 0, np.rint(blocks * (np.float32(127) / m)), 0).clip(-127, 127).astype(np.int8)
+    scale = (m / np.float32(127)).astype(np.float32)
+    out = np.concatenate([scale.view(np.int8), codes], axis=-1)  # 4 bytes of scale, then 32 codes
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def test_an_int8_cache_holds_each_block_of_32_as_codes_and_a_scale(bundle):
+    """int8: layer 0's keys and values (the same inputs either way) are the float cache's rows quantized per
+    block of 32 (numpy's rule above, bitwise); the bytes are 0.56 of a half cache's; later layers read the
+    codes times their scale, so the outputs move a little more than with halves."""
+    full, q8 = decoder(bundle, "auto"), decoder(bundle, "auto", kv_dtype="int8")
+    a = _session(full, np.random.default_rng(5), full.cfg.vocab_size)
+    b = _session(q8, np.random.default_rng(5), q8.cfg.vocab_size)
+    d = full.cfg.head_dim
+    assert all(buf.dtype == np.int8 and buf.shape[-1] == d // 32 * 36 for buf in q8.kv)
+    assert q8.kv[0].nbytes == full.kv[0].nbytes // (4 * d) * (d // 32 * 36)
+    written = slice(0, 153)
+    for layer0 in (0, 1):
+        assert np.array_equal(q8.kv[layer0][0, :, written], _q8(full.kv[layer0][0, :, written]))
+    moved = 0.0
+    for x, y in zip(b, a, strict=True):
+        scale = np.abs(y["logits"]).max()
+        diff = np.abs(x["logits"] - y["logits"]).max()
+        assert diff <= 0.05 * scale, (diff, scale)
+        moved = max(moved, diff)
+    assert moved > 0
+
+
+def test_an_int8_cache_needs_head_sizes_of_whole_blocks(tmp_path):
+    from specrt.errors import SpecrtError
+
+    narrow = tiny_bundle(tmp_path, "qwen2")  # head_dim 16
+    with pytest.raises(SpecrtError, match="int8 KV cache needs a head size that is a multiple of 32, not 16"):
+        decoder(narrow, "auto", 32, kv_dtype="int8")
+
+
 def test_a_kv_dtype_the_backend_cannot_hold_is_refused_in_one_line(bundle):
     from specrt.errors import SpecrtError
     from specrt.runtime.target import kv_cache_dtype
 
     assert kv_cache_dtype("auto", "native") == "fp16" and kv_cache_dtype("auto", "ort") == "fp32"
-    with pytest.raises(SpecrtError, match="fp16 runs on --backend native"):
-        kv_cache_dtype("fp16", "ort")
+    for dtype in ("fp16", "int8"):
+        with pytest.raises(SpecrtError, match=f"{dtype} runs on --backend native"):
+            kv_cache_dtype(dtype, "ort")
     with pytest.raises(SpecrtError, match="native backend's KV cache is one of fp32, fp16"):
         decoder(bundle, "auto", 32, kv_dtype="bf16")
 

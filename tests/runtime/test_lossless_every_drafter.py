@@ -120,3 +120,30 @@ def test_batched_serving_equals_plain(reference, bundles, bundle, drafter):
     assert max(scheduler.batch_sizes) > 1
     if drafter != "plain":  # the shared passes verified drafts: not plain served against plain
         assert sum(r.stats.drafted for r in results) > 0
+
+
+@pytest.mark.covers("lossless")
+def test_speculation_and_serving_equal_plain_on_an_int8_cache(reference, bundles):
+    """`--kv-dtype int8` rounds the target's keys and values to blocks of int8 codes as they are written, so
+    the target computes something else than on halves: its own plain output is the reference. EAGLE-3's
+    drafts verified on that cache, alone and served in shared ragged passes, give exactly that output."""
+    _, ids, halves = reference["int4"]
+    ids, halves = ids[::2], halves[::2]
+    gen = Generator(bundles["int4"], "plain", max_seq_len=512, num_draft_tokens=4, kv_dtype="int8")
+    assert gen.backend == "native" and gen.target.kv_dtype == "int8"
+    plain = [gen.generate_ids(x, NEW_TOKENS).token_ids for x in ids]
+    assert plain != halves  # the cache is what attention reads: some answer moves
+    gen.use("eagle3")
+    drafted = 0
+    for i, (x, want) in enumerate(zip(ids, plain, strict=True)):
+        res = gen.generate_ids(x, NEW_TOKENS)
+        assert res.token_ids == want, f"eagle3 on an int8 cache, prompt {i}"
+        drafted += res.stats.drafted
+    assert drafted > 0
+    served = Generator(bundles["int4"], "eagle3", max_seq_len=512, num_draft_tokens=4, slots=4, kv_dtype="int8")
+    scheduler = Scheduler(served).start()
+    try:
+        results = [h.wait() for h in [scheduler.submit(x, NEW_TOKENS) for x in ids]]
+    finally:
+        scheduler.stop()
+    assert [r.token_ids for r in results] == plain and max(scheduler.batch_sizes) > 1

@@ -144,7 +144,7 @@ struct Model {
   int L = 0, H = 0, nh = 0, kvh = 0, d = 0, I = 0, V = 0;
   int mix = kNoMix;      // a decoder (spn_pass), or a drafter layer's Mix
   bool feature = false;  // a drafter layer (mix != kNoMix)
-  bool kv_half = false;  // the KV cache holds IEEE halves (spn_set_kv_half), else floats
+  int kv_format = kKvF32;  // how the KV cache holds its rows (ops.h KvFormat; spn_set_kv_format)
   float eps = 0, embed_scale = 1;
   Isa isa = kScalar;
   int threads = 1;
@@ -226,7 +226,7 @@ struct PassArgs {
   const uint8_t* mask;
   int R;
   const int64_t* logits_index;
-  void* const* kv;  // per layer, key then value: floats, or IEEE halves where the model's kv_half
+  void* const* kv;  // per layer, key then value, rows in the model's kv_format
   int64_t slot_stride;
   int cap;
   float* logits;
@@ -277,10 +277,10 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
   int lo, hi;
   share(M, tid, nt, lo, hi);
   linear(m, layer.qkv, in, M, ldin, m.qkv.data(), tid, nt, ops);
-  // the cache of layer l: floats, or halves (m.kv_half); offsets below count values, whatever their size
+  // the cache of layer l: rows of `units` in m.kv_format (floats, halves or bytes); offsets count units
   char* const kc = static_cast<char*>(p.kv[2 * l]);
   char* const vc = static_cast<char*>(p.kv[2 * l + 1]);
-  const size_t vsize = m.kv_half ? sizeof(uint16_t) : sizeof(float);
+  const size_t vsize = kv_unit_bytes(m.kv_format), units = kv_row_units(m.kv_format, d);
   for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
     const int b = lay.seq[r], t = r - lay.start[b];
     float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
@@ -288,13 +288,20 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
     ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
     const int64_t dst = p.past[b] + t;
     for (int kh = 0; kh < m.kvh; ++kh) {
-      size_t off = static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * d;
-      if (m.kv_half) {
-        ops.to_half(row + nq + kh * d, reinterpret_cast<uint16_t*>(kc + off * vsize), d);
-        ops.to_half(row + nq + (m.kvh + kh) * d, reinterpret_cast<uint16_t*>(vc + off * vsize), d);
-      } else {
-        std::memcpy(kc + off * vsize, row + nq + kh * d, d * sizeof(float));
-        std::memcpy(vc + off * vsize, row + nq + (m.kvh + kh) * d, d * sizeof(float));
+      const size_t off = (static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * units) * vsize;
+      const float *k = row + nq + kh * d, *v = row + nq + (m.kvh + kh) * d;
+      switch (m.kv_format) {
+        case kKvF16:
+          ops.to_half(k, reinterpret_cast<uint16_t*>(kc + off), d);
+          ops.to_half(v, reinterpret_cast<uint16_t*>(vc + off), d);
+          break;
+        case kKvQ8:
+          ops.to_q8(k, reinterpret_cast<KvQ8*>(kc + off), d);
+          ops.to_q8(v, reinterpret_cast<KvQ8*>(vc + off), d);
+          break;
+        default:
+          std::memcpy(kc + off, k, d * sizeof(float));
+          std::memcpy(vc + off, v, d * sizeof(float));
       }
     }
   }
@@ -341,9 +348,8 @@ pool.barrier();
         extras[i - qlo] = rows_extra + t * p.T;
         n_extra[i - qlo] = rows_n[t];
       }
-      size_t off = static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * d;
-      ops.attend_many(qs, qhi - qlo, kc + off * vsize, vc + off * vsize, m.kv_half, d, prefix, extras, n_extra, scores,
-                      lds, outs);
+      const size_t off = (static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * units) * vsize;
+      ops.attend_many(qs, qhi - qlo, kc + off, vc + off, m.kv_format, d, prefix, extras, n_extra, scores, lds, outs);
     }
   }
 pool.barrier();
@@ -723,10 +729,15 @@ int spn_set_rope(void* h, int rows, int half, const float* cs, const float* sn) 
   return 0;
 }
 
-// The KV buffers a pass is given hold IEEE halves (`on`: written rounded to nearest even, read exactly) or floats.
-int spn_set_kv_half(void* h, int on) {
-  if (!check(on == 0 || on == 1, "kv_half is 0 or 1")) return 1;
-  static_cast<Model*>(h)->kv_half = on == 1;
+// How the KV buffers a pass is given hold their rows: KvFormat `format` (ops.h); q8 needs head sizes of whole
+// blocks of 32.
+int spn_set_kv_format(void* h, int format) {
+  Model* m = static_cast<Model*>(h);
+  if (!check(format >= 0 && format < kKvFormatCount, "KV format " + std::to_string(format) + " unknown") ||
+      !check(format != kKvQ8 || m->d % 32 == 0, "an int8 KV cache needs a head size that is a multiple of 32, not " +
+                                                    std::to_string(m->d) + ": use --kv-dtype fp16"))
+    return 1;
+  m->kv_format = format;
   return 0;
 }
 
@@ -747,7 +758,7 @@ static bool check_args(const Model& m, const PassArgs& p) {
              "a pass needs at least one sequence, row and output") ||
       !check(p.ids && p.pos && p.past && p.mask && p.logits_index && p.kv && p.logits && p.hidden,
              "a pass buffer is missing") ||
-      !check(p.B == 1 || p.slot_stride >= static_cast<int64_t>(m.kvh) * p.cap * m.d,
+      !check(p.B == 1 || p.slot_stride >= static_cast<int64_t>(m.kvh) * p.cap * kv_row_units(m.kv_format, m.d),
              "KV slot stride smaller than a slot"))
     return false;
   for (int i = 0; i < 2 * m.L; ++i)

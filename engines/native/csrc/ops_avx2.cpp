@@ -26,7 +26,8 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
                              const int* const* extra, const int* n_extra, float* scores, int lds,
                              float* const* out) {
   constexpr int d = 8 * C;
-  alignas(32) float buf[kKeyBlock * d];  // a half cache's block, converted (block_rows)
+  alignas(32) float buf[kKeyBlock * d];  // a half or q8 cache's block, converted (block_rows)
+  alignas(32) float row[d];              // … and one row of the window's own (row_floats)
   for (int j0 = 0; j0 < prefix; j0 += kKeyBlock) {  // scores over the shared rows
     const int j1 = j0 + kKeyBlock < prefix ? j0 + kKeyBlock : prefix;
     const float* kb = block_rows<C>(kc, j0, j1, buf);  // row j at kb + (j - j0) * d
@@ -45,7 +46,7 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
   for (int i = 0; i < nq; ++i) {  // each query's own rows, its softmax, then its output zeroed
     float* s = scores + static_cast<size_t>(i) * lds;
     const int n = prefix + n_extra[i];
-    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], kc + static_cast<size_t>(extra[i][e]) * d);
+    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], row_floats<C>(kv_row(kc, extra[i][e], d), row));
     const float m = max_scores(s, n);
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
@@ -83,36 +84,13 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
     __m256 o[C];
     for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(out[i] + 8 * c);
     for (int e = 0; e < n_extra[i]; ++e) {
-      const KV* v = vc + static_cast<size_t>(extra[i][e]) * d;
+      const float* v = row_floats<C>(kv_row(vc, extra[i][e], d), row);
       const __m256 p = _mm256_set1_ps(s[prefix + e]);
-      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, ld8(v + 8 * c), o[c]);
+      for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
     }
     const __m256 inv = _mm256_set1_ps(s[prefix + n_extra[i]]);
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[i] + 8 * c, _mm256_mul_ps(o[c], inv));
   }
-}
-
-template <typename KV>
-static void attend_many_typed(const float* const* q, int nq, const KV* kc, const KV* vc, int half, int d, int prefix,
-                              const int* const* extra, const int* n_extra, float* scores, int lds, float* const* out) {
-  switch (d) {
-    case 64:
-      return attend_many_fast<8>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
-    case 128:
-      return attend_many_fast<16>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
-    default:
-      return attend_many(q, nq, kc, vc, half, d, prefix, extra, n_extra, scores, lds, out);
-  }
-}
-
-static void attend_many_avx2(const float* const* q, int nq, const void* kc, const void* vc, int half, int d,
-                             int prefix, const int* const* extra, const int* n_extra, float* scores, int lds,
-                             float* const* out) {
-  if (half)
-    return attend_many_typed(q, nq, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), half, d,
-                             prefix, extra, n_extra, scores, lds, out);
-  attend_many_typed(q, nq, static_cast<const float*>(kc), static_cast<const float*>(vc), half, d, prefix, extra,
-                    n_extra, scores, lds, out);
 }
 
 // to_half on 8 lanes: vcvtps2ph, rounding to nearest even (float_to_half's rounding).
@@ -171,6 +149,44 @@ static void quantize_row_avx2(const float* x, int K, QAct& a, int row) {
   for (int b = full; b < a.blocks; ++b) quantize_block(x, K, a, row, b);
 }
 
+// to_q8 on 8 lanes: quantize_row_avx2's steps on each block of 32 (absmax, product, rounding, clamps, a NaN
+// giving 0), without the sums.
+static void to_q8_avx2(const float* x, KvQ8* out, int d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), round = _mm256_set1_ps(kRound);
+  const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int b = 0; b < d / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4], mv = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      mv = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), mv);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float m = _mm_cvtss_f32(m4);
+    KvQ8& o = out[b];
+    o.scale = m / 127.0f;
+    if (!(m > 0.0f)) {
+      std::memset(o.q, 0, sizeof(o.q));
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(127.0f / m);
+    __m256i qi[4];
+    for (int c = 0; c < 4; ++c) {
+      __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[c], inv), round), round);
+      r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
+      r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
+      r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));
+      qi[c] = _mm256_cvttps_epi32(r);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q),
+                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                                       _mm256_packs_epi32(qi[2], qi[3])), order));
+  }
+}
+
 static void silu_mul_avx2(const float* gu, int I, float* out) {
   int i = 0;
   const __m256 one = _mm256_set1_ps(1.0f);
@@ -188,8 +204,8 @@ static void silu_mul_avx2(const float* gu, int I, float* out) {
 }  // namespace avx2
 
 Ops avx2_ops() {
-  return Ops{avx2::rmsnorm_row, avx2::quantize_row_avx2, avx2::rope_row, avx2::attend_many_avx2,
-             avx2::to_half_f16c, avx2::silu_mul_avx2, avx2::add_row};
+  return Ops{avx2::rmsnorm_row, avx2::quantize_row_avx2, avx2::rope_row, avx2::attend_many_x86,
+             avx2::to_half_f16c, avx2::to_q8_avx2, avx2::silu_mul_avx2, avx2::add_row};
 }
 
 }  // namespace spn

@@ -49,8 +49,7 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// 16 cache values as floats (a half's exact value), and 8 of row a beside 8 of row b.
-static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+// 16 half values as floats (exactly), and 8 of row a beside 8 of row b.
 static inline __m512 ld16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -75,6 +74,25 @@ static inline void key_pairs(const KV* base, int j0, int j1, float* buf) {
   }
 }
 
+// 16 codes of a q8 block as floats times their scales: codes 8c..8c+7 of block a beside those of block b.
+static inline __m512 q8_pair8(const KvQ8& a, const KvQ8& b, int c) {
+  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.q + 8 * c)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.q + 8 * c)));
+  return _mm512_mul_ps(join(_mm256_set1_ps(a.scale), _mm256_set1_ps(b.scale)),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+
+template <int C>
+static inline void key_pairs(const KvQ8* base, int j0, int j1, float* buf) {
+  static const KvQ8 zeros[C / 4] = {};
+  for (int j = j0; j < j1; j += 2) {
+    const KvQ8* a = kv_row(base, j, 8 * C);
+    const KvQ8* b = j + 1 < j1 ? kv_row(base, j + 1, 8 * C) : zeros;
+    float* dst = buf + static_cast<size_t>(j - j0) * 8 * C;
+    for (int c = 0; c < C; ++c) _mm512_store_ps(dst + 16 * c, q8_pair8(a[c / 4], b[c / 4], c % 4));
+  }
+}
+
 // Values [j0, j1) as floats, row after row: a float cache's own rows in place, a half cache's converted.
 template <int C>
 static inline const float* value_rows(const float* base, int j0, int, float*) {
@@ -84,6 +102,18 @@ template <int C>
 static inline const float* value_rows(const uint16_t* base, int j0, int j1, float* buf) {
   const uint16_t* src = base + static_cast<size_t>(j0) * 8 * C;
   for (int i = 0; i < (j1 - j0) * C / 2; ++i) _mm512_store_ps(buf + 16 * i, ld16(src + 16 * i));
+  return buf;
+}
+template <int C>
+static inline const float* value_rows(const KvQ8* base, int j0, int j1, float* buf) {
+  const KvQ8* src = kv_row(base, j0, 8 * C);
+  for (int i = 0; i < (j1 - j0) * C / 4; ++i) {  // block i: 32 values, two vectors
+    const __m512 scale = _mm512_set1_ps(src[i].scale);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i].q + 16 * h));
+      _mm512_store_ps(buf + 32 * i + 16 * h, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+    }
+  }
   return buf;
 }
 
@@ -137,7 +167,8 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
                              const int* const* extra, const int* n_extra, float* scores, int lds,
                              float* const* out) {
   constexpr int d = 8 * C, D = C / 2;
-  alignas(64) float buf[kBlock16 * d];
+  alignas(64) float buf[kBlock16 * d];  // a block of keys in pairs, or of values (converted where not floats)
+  alignas(64) float row[d];             // one row of the window's own (row_floats)
   for (int j0 = 0; j0 < prefix; j0 += kBlock16) {  // scores over the shared rows, keys in pairs
     const int j1 = j0 + kBlock16 < prefix ? j0 + kBlock16 : prefix;
     key_pairs<C>(kc, j0, j1, buf);
@@ -157,7 +188,7 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
   for (int i = 0; i < nq; ++i) {  // each query's own rows, its softmax, then its output zeroed
     float* s = scores + static_cast<size_t>(i) * lds;
     const int n = prefix + n_extra[i];
-    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], kc + static_cast<size_t>(extra[i][e]) * d);
+    for (int e = 0; e < n_extra[i]; ++e) s[prefix + e] = dot8<C>(q[i], row_floats<C>(kv_row(kc, extra[i][e], d), row));
     const float m = max_scores(s, n);
     const __m512 mv = _mm512_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
@@ -205,43 +236,20 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
     __m512 o[D];
     for (int c = 0; c < D; ++c) o[c] = _mm512_loadu_ps(out[i] + 16 * c);
     for (int e = 0; e < n_extra[i]; ++e) {
-      const KV* v = vc + static_cast<size_t>(extra[i][e]) * d;
+      const float* v = row_floats<C>(kv_row(vc, extra[i][e], d), row);
       const __m512 p = _mm512_set1_ps(s[prefix + e]);
-      for (int c = 0; c < D; ++c) o[c] = _mm512_fmadd_ps(p, ld16(v + 16 * c), o[c]);
+      for (int c = 0; c < D; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), o[c]);
     }
     const __m512 inv = _mm512_set1_ps(s[prefix + n_extra[i]]);
     for (int c = 0; c < D; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_mul_ps(o[c], inv));
   }
 }
 
-template <typename KV>
-static void attend_many_typed(const float* const* q, int nq, const KV* kc, const KV* vc, int half, int d, int prefix,
-                              const int* const* extra, const int* n_extra, float* scores, int lds, float* const* out) {
-  switch (d) {
-    case 64:
-      return attend_many_fast<8>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
-    case 128:
-      return attend_many_fast<16>(q, nq, kc, vc, prefix, extra, n_extra, scores, lds, out);
-    default:
-      return attend_many(q, nq, kc, vc, half, d, prefix, extra, n_extra, scores, lds, out);
-  }
-}
-
-static void attend_many_avx512(const float* const* q, int nq, const void* kc, const void* vc, int half, int d,
-                               int prefix, const int* const* extra, const int* n_extra, float* scores, int lds,
-                               float* const* out) {
-  if (half)
-    return attend_many_typed(q, nq, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), half, d,
-                             prefix, extra, n_extra, scores, lds, out);
-  attend_many_typed(q, nq, static_cast<const float*>(kc), static_cast<const float*>(vc), half, d, prefix, extra,
-                    n_extra, scores, lds, out);
-}
-
 }  // namespace avx512
 
 Ops avx512_ops() {
   Ops ops = avx2_ops();
-  ops.attend_many = avx512::attend_many_avx512;
+  ops.attend_many = avx512::attend_many_x86;
   return ops;
 }
 

@@ -11,8 +11,8 @@ namespace ref {
 }  // namespace ref
 
 Ops reference_ops() {
-  return Ops{ref::rmsnorm_row, ref::quantize_row, ref::rope_row, ref::attend_many, ref::to_half, ref::silu_mul_row,
-             ref::add_row};
+  return Ops{ref::rmsnorm_row, ref::quantize_row, ref::rope_row, ref::attend_many, ref::to_half, ref::to_q8,
+             ref::silu_mul_row, ref::add_row};
 }
 
 }  // namespace spn
