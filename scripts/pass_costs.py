@@ -4,6 +4,9 @@
                                                                    chunks), seconds and peak RSS
     python scripts/pass_costs.py verify BUNDLE --context 200       verify(k) for k = 1, 2, 4, 8, 16: the
                                                                    median ms of one k-row pass
+    python scripts/pass_costs.py batch BUNDLE --users 16 --contexts 128,512,900 --kv-dtype fp16
+                                                                   one decode pass over N sequences (a row
+                                                                   each) at each context: the median ms
     python scripts/pass_costs.py prefill-ortgenai MODEL_DIR --tokens 2000   the same prefill in
                                                                    onnxruntime-genai (`make peer-models`)
 
@@ -71,6 +74,30 @@ def verify(bundle: str, context: int, threads: int, repeats: int = 20, backend: 
             **_branch(gen)}
 
 
+def batch(bundle: str, users: int, contexts: list[int], threads: int, kv_dtype: str, repeats: int = 15) -> dict:
+    """A serving decode step's pass: `users` sequences of one new row each, every one `context` rows into its
+    cache (the cache's values do not change what a pass costs), the median ms of `repeats` passes."""
+    from specrt.runtime.generate import Generator
+
+    gen = Generator(bundle, "plain", max_seq_len=max(contexts) + 64, slots=users, threads=threads, backend="native",
+                    kv_dtype=kv_dtype)
+    dec = gen.target
+    dec.select(0, users)
+    rng = np.random.default_rng(0)
+    vocab = gen.manifest.target.config.vocab_size
+    ms = {}
+    for context in contexts:
+        times = []
+        for _ in range(repeats):
+            ids = rng.integers(0, vocab, (users, 1))
+            t0 = time.perf_counter()
+            dec.run_all(ids, np.full((users, 1), context), np.full(users, context), np.ones((users, 1, 1), bool),
+                        np.zeros((users, 1), np.int64))
+            times.append(time.perf_counter() - t0)
+        ms[context] = round(1e3 * float(np.median(times)), 2)
+    return {"engine": "specrt", "users": users, "kv_dtype": dec.kv_dtype, "pass_ms": ms, **_branch(gen)}
+
+
 def prefill_ortgenai(model_dir: str, tokens: int, threads: int) -> dict:
     import onnxruntime_genai as og
 
@@ -95,17 +122,22 @@ def prefill_ortgenai(model_dir: str, tokens: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["prefill", "verify", "prefill-ortgenai"])
+    ap.add_argument("what", choices=["prefill", "verify", "batch", "prefill-ortgenai"])
     ap.add_argument("path", help="a bundle folder (an onnxruntime-genai model folder for prefill-ortgenai)")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="ort", help="the target's backend (engines/registry.py)")
+    ap.add_argument("--users", type=int, default=16, help="batch: the sequences in the pass")
+    ap.add_argument("--contexts", default="16,128,256,512,900", help="batch: the cache rows each sequence has")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"], help="batch: the cache")
     a = ap.parse_args()
     if a.what == "prefill":
         out = prefill(a.path, a.tokens, a.threads, a.backend)
     elif a.what == "verify":
         out = verify(a.path, a.context, a.threads, backend=a.backend)
+    elif a.what == "batch":
+        out = batch(a.path, a.users, [int(c) for c in a.contexts.split(",")], a.threads, a.kv_dtype)
     else:
         out = prefill_ortgenai(a.path, a.tokens, a.threads)
     print(json.dumps(out))
