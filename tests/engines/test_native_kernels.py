@@ -27,12 +27,15 @@ class Linear:
         blocks = -(-k // 32)
         self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
         self.mins = None
-        if fmt in ("q8", "q8x16"):
+        if fmt in ("q8", "q8x16", "q8_min"):
             q = rng.integers(-128, 128, (n, blocks, 32)).astype(np.int8)
             if k % 32:
                 q[:, -1, k % 32:] = 0
             self.packed = np.ascontiguousarray(q)
             values = q.astype(np.float64)
+            if fmt == "q8_min":  # a GGUF Q5_1 / Q5_K block's d·q + m (its codes 0..31; any int8 computes)
+                self.mins = (-rng.random((n, blocks)) * 0.15).astype(np.float32)
+                values = values + (self.mins / self.scales)[..., None]
             if fmt == "q8x16":  # the upper half block's scale: its own, so a kernel that mixes the halves is off
                 upper = (rng.random((n, blocks)) * 0.05 + 0.001).astype(np.float32)
                 values[..., 16:] *= (upper / self.scales)[..., None]
@@ -149,6 +152,9 @@ def test_the_formats_differ_and_a_bad_layout_is_refused():
     assert "32 scales" in library.last_error()
     q8, halves = Linear(64, 16, seed=7, fmt="q8"), Linear(64, 16, seed=7, fmt="q8x16")
     assert not np.allclose(q8("scalar", x), halves("scalar", x))
+    assert not np.allclose(q8("scalar", x), Linear(64, 16, seed=7, fmt="q8_min")("scalar", x))
+    assert not calls.linear_new(lib, weights.Linear(64, 16, int8, scales, format="q8_min"))  # no minimums
+    assert "0 minimums" in library.last_error()
     with pytest.raises(ValueError, match="weight format 'q5'"):
         calls.linear_new(lib, weights.Linear(64, 16, blocks, scales, format="q5"))
 

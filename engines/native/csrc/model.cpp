@@ -70,7 +70,7 @@ struct OwnedWeight : QWeight {
     scales = static_cast<float*>(aligned(nscales * sizeof(float)));
     std::memset(packed, is_int8(fmt) ? 0x80 : 0x88, nbytes);
     std::memset(scales, 0, nscales * sizeof(float));
-    float** second = fmt == kQ4Min ? &mins : fmt == kQ8x16 ? &hi_scales : nullptr;
+    float** second = has_mins(fmt) ? &mins : fmt == kQ8x16 ? &hi_scales : nullptr;
     if (second) {
       *second = static_cast<float*>(aligned(nscales * sizeof(float)));
       std::memset(*second, 0, nscales * sizeof(float));
@@ -661,16 +661,17 @@ int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
 
 // A [K, N] projection of format `format` (w4a8.h Format): q_bytes = N * blocks * 16 (int4: MatMulNBits' layout)
 // or N * blocks * 32 (int8), n_scales = N * blocks (kQ8x16: 2 * N * blocks), n_mins = N * blocks for kQ4Min and
-// 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
+// kQ8Min, 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
 static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
                       int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
   if (!check(format >= 0 && format < kFormatCount, "weight format " + std::to_string(format) + " is not one of 0 (int4), "
-                                                   "1 (int4 with minimums), 2 (int8), 3 (int8 in half blocks)"))
+                                                   "1 (int4 with minimums), 2 (int8), 3 (int8 in half blocks), 4 (int8 "
+                                                   "with minimums)"))
     return false;
   const int64_t blocks = (static_cast<int64_t>(K) + kBlock - 1) / kBlock;
   const int64_t per_block = is_int8(format) ? kBlock : kBlock / 2;
   const int64_t scales_per_block = format == kQ8x16 ? 2 : 1;
-  const int64_t want_mins = format == kQ4Min ? static_cast<int64_t>(N) * blocks : 0;
+  const int64_t want_mins = has_mins(format) ? static_cast<int64_t>(N) * blocks : 0;
   return check(positive(K) && positive(N), dims("projection", K, N) + " is empty") &&
          check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * per_block,
                "packed weights of " + std::to_string(q_bytes) + " bytes for " + dims("a projection", K, N)) &&

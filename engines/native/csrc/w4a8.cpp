@@ -1,4 +1,4 @@
-// The block-quantized kernels (int4, int4 with minimums, int8 weights, int8 in half blocks; int8 activations): a scalar reference
+// The block-quantized kernels (int4 and int8 weights, either with minimums, int8 in half blocks; int8 activations): a scalar reference
 // (any CPU) and x86 kernels picked at run time, each computing exactly the reference's integers and float
 // sequence (see w4a8.h).
 #include "w4a8.h"
@@ -29,13 +29,14 @@ inline int weight_at(const QWeight& w, int t, int b, int col, int k) {  // k: 0.
 }
 
 // One block's step of the float sequence of format `format` (w4a8.h); the vector kernels run the same steps.
-// isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; wm: the minimum (kQ4Min) or the
-// upper half's scale (kQ8x16).
+// isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; wm: the minimum (kQ4Min, kQ8Min)
+// or the upper half's scale (kQ8x16).
 inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, float qsum, float ws, float wm,
                         float as, float acc) {
   const int32_t isum = isum_lo + isum_hi;
   switch (format) {
     case kQ4Min:
+    case kQ8Min:
       acc = std::fma(static_cast<float>(isum), ws * as, acc);
       return std::fma(wm, qsum, acc);
     case kQ8:
@@ -91,8 +92,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  // the minimums (kQ4Min) or the upper half blocks' scales (kQ8x16)
-  const float* wm = F == kQ4Min   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
+  // the minimums (kQ4Min, kQ8Min) or the upper half blocks' scales (kQ8x16)
+  const float* wm = has_mins(F)   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
                     : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
                                   : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
@@ -154,7 +155,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
       lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
       hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
-      if (F == kQ4Min) {  // the minimums times the activations' scaled sum: one product per row and block
+      if (has_mins(F)) {  // the minimums times the activations' scaled sum: one product per row and block
         const __m256 qsum = _mm256_set1_ps(a.qsum[row * a.blocks + b]);
         lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), qsum, lo[r]);
         hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), qsum, hi[r]);
@@ -185,7 +186,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = F == kQ4Min   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
+  const float* wm = has_mins(F)   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
                     : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
                                   : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
@@ -224,7 +225,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_loadu_ps(wm + b * kTileN), as), acc[r]);
         continue;
       }
-      __m512i s = _mm512_set1_epi32(F == kQ4 ? -corr : F == kQ8 ? -16 * corr : 0);
+      __m512i s = _mm512_set1_epi32(F == kQ4 ? -corr : is_int8(F) ? -16 * corr : 0);
       if (R == 1) {
         __m512i s1 = _mm512_setzero_si512();
         for (int g = 0; g < 8; g += 2) {
@@ -238,7 +239,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         for (int g = 0; g < 8; ++g) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(wv[g]), "m"(qa[g]));
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, as), acc[r]);
-      if (F == kQ4Min)  // the minimums times the activations' scaled sum: one product per row and block
+      if (has_mins(F))  // the minimums times the activations' scaled sum: one product per row and block
         acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
     }
   }
@@ -325,12 +326,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
     const __m512i v = _mm512_load_si512(s + r * kTileN);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b])),
                              acc[r]);
-    if (F == kQ4Min)
+    if (has_mins(F))
       acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
   }
 }
 
-// The 16 rows from r0 of tile t; formats kQ4, kQ4Min and kQ8. A pipeline over groups of four blocks: group g's
+// The 16 rows from r0 of tile t; every format but kQ8x16. A pipeline over groups of four blocks: group g's
 // four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
 // reader), group g + 2's weights are unpacked (a tile load reads stores only once they have left the core),
 // and group g - 1's float steps run from the sums it stored one group earlier.
@@ -344,7 +345,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = F == kQ4Min ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
+  const float* wm = has_mins(F) ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
   const int8_t* qa = a.q + static_cast<size_t>(r0) * a.blocks * kBlock;
   const long stride = static_cast<long>(a.blocks) * kBlock;
   const int groups = (w.blocks + 3) / 4;
@@ -389,12 +390,13 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 // AVX2 has 16 vector registers: 8 rows' two accumulators fill them; AVX-512 has 32, room for 16 rows' one
 constexpr int kAvx2Rows = 8, kVnniRows = 16;
 const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
-                                                        SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16)};
+                                                        SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16),
+                                                        SPN_TILES(tile_avx2, kQ8Min)};
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
-    SPN_TILES16(tile_vnni, kQ8x16)};
+    SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min)};
 // kQ8x16 (Q6_K's half blocks) needs two sums a block: it stays on tile_vnni
-const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr};
+const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr, tile_amx<kQ8Min>};
 #undef SPN_TILES
 #undef SPN_TILES16
 

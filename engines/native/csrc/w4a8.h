@@ -1,15 +1,17 @@
 // Block-quantized weights applied to int8 activations (one fp32 scale per 32 inputs of a row). A weight
-// block is 32 inputs of one column, in one of four formats (GGUF's blocks carried as they are):
+// block is 32 inputs of one column, in one of five formats (GGUF's blocks carried as they are):
 //   kQ4     int4, w = d·(q - 8)      (Q4_0; also specrt's own symmetric int4 and ONNX MatMulNBits)
 //   kQ4Min  int4, w = d·q + m        (Q4_1, and Q4_K's sub-blocks: d = d·scale_j, m = -dmin·min_j)
 //   kQ8     int8, w = d·q            (Q8_0)
 //   kQ8x16  int8, w = d_lo·q on inputs 0..15, d_hi·q on 16..31 (Q6_K's 16-input sub-blocks, q - 32)
+//   kQ8Min  int8, w = d·q + m        (Q5_1, and Q5_K's sub-blocks: 5-bit codes, d = d·scale_j, m = -dmin·min_j)
 //
 // Batch invariance by construction: every output y[r][n] is, per format,
 //   kQ4     acc = fma(float(isum_b - 8 * asum_b), ws * as, acc)
 //   kQ4Min  acc = fma(float(isum_b), ws * as, acc);  acc = fma(wm, as * float(asum_b), acc)
 //   kQ8     acc = fma(float(isum_b), ws * as, acc)
 //   kQ8x16  acc = fma(float(isum_lo_b), ws * as, acc);  acc = fma(float(isum_hi_b), wh * as, acc)
+//   kQ8Min  as kQ4Min
 // over the blocks b in ascending order from acc = 0, where ws / wm / wh are the weights' scale / minimum / upper
 // half's scale of column n and block b, as = as[r][b], isum_b = the block's sum of q_w * q_a (exact in int32;
 // isum_lo_b / isum_hi_b over its inputs 0..15 / 16..31) and asum_b the block's sum of q_a. Only integers are
@@ -29,15 +31,16 @@ constexpr int kTileBytes = kBlock * kTileN / 2;  // packed bytes of one int4 blo
 constexpr int kTileBytes8 = kBlock * kTileN;     // ... of one int8 block: 512
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3, kIsaCount = 4 };
-enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kFormatCount = 4 };
+enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kQ8Min = 4, kFormatCount = 5 };
 
-constexpr bool is_int8(int format) { return format == kQ8 || format == kQ8x16; }
+constexpr bool is_int8(int format) { return format == kQ8 || format == kQ8x16 || format == kQ8Min; }
+constexpr bool has_mins(int format) { return format == kQ4Min || format == kQ8Min; }
 constexpr int tile_bytes(int format) { return is_int8(format) ? kTileBytes8 : kTileBytes; }
 
 // Packed weights of a [K, N] matrix. Tile t (columns 16t..16t+15), block b: 4 chunks of 64 bytes; chunk c
 // holds input groups g = 2c (low nibbles) and 2c+1 (high nibbles), byte 4*col + j = input 32b + 4g + j of
 // column col. That is the lane order of vpdpbusd (a dword per column, 4 consecutive inputs per dword) and of
-// vpmaddubsw + vpmaddwd on two 8-column halves. kQ8, kQ8x16: 8 chunks of 64 bytes, chunk g holding input group
+// vpmaddubsw + vpmaddwd on two 8-column halves. kQ8, kQ8x16, kQ8Min: 8 chunks of 64 bytes, chunk g holding input group
 // g, byte 4*col + j = q + 128 (unsigned) of input 32b + 4g + j of column col (kQ8x16: groups 0..3 are the lower
 // half block, 4..7 the upper).
 struct QWeight {
@@ -45,7 +48,7 @@ struct QWeight {
   int format = kQ4;
   uint8_t* packed = nullptr;  // tiles * blocks * tile_bytes(format) bytes, 64-byte aligned
   float* scales = nullptr;    // tiles * blocks * 16: scale of column 16t+i, block b at [(t*blocks+b)*16+i]
-  float* mins = nullptr;      // kQ4Min: the blocks' minimums, laid out as `scales`; null otherwise
+  float* mins = nullptr;      // kQ4Min, kQ8Min: the blocks' minimums, laid out as `scales`; null otherwise
   float* hi_scales = nullptr; // kQ8x16: the scales of the blocks' inputs 16..31, laid out as `scales`
   float* bias = nullptr;      // N or null
 };
@@ -57,7 +60,7 @@ struct QAct {
   float* scale = nullptr;     // M * blocks
   int32_t* corr = nullptr;    // M * blocks: 8 * sum of the block's q (the weights' zero point)
   int32_t* lo_sum = nullptr;  // M * blocks: sum of the block's q over inputs 0..15 (kQ8x16's lower half)
-  float* qsum = nullptr;      // M * blocks: scale * float(sum of the block's q) (kQ4Min's minimum term)
+  float* qsum = nullptr;      // M * blocks: scale * float(sum of the block's q) (the minimums' term)
 };
 
 // Columns of tiles [t0, t1) of y[M, ldy] = A · W (+ bias), on kernel `isa`.
