@@ -10,11 +10,15 @@ them again (engines/native/csrc/w4a8.h formats; ONNX Runtime's MatMulNBits).
                 128 bytes of nibbles
     Q6_K        256: 6-bit codes (4 + 2 bits), 16 int8        q8x16    per 16: (d·sc_j)·(q_i - 32)
                 scales, d fp16
+    Q5_1        32: d, m fp16, 32 high bits, 16 bytes of      q8_min   d·q_i + m, the 5-bit q_i as int8
+                nibbles
+    Q5_K        256: d, dmin fp16, Q4_K's scales and mins,    q8_min   per 32: (d·sc_j)·q_i - dmin·m_j
+                32 bytes of high bits, 128 of nibbles
 
 A K-quant's products d·sc_j and dmin·m_j are exact in float32 (an fp16 times a 6- or 8-bit integer), so its
 sub-blocks are blocks of the formats above with float32 scales and minimums, and `Blocks.dense()` is bitwise
 what gguf-py (and transformers with it) dequantizes. `q8x16` is an int8 block of 32 inputs with a scale for
-each half (Q6_K's 16-input sub-blocks).
+each half (Q6_K's 16-input sub-blocks); `q8_min` an int8 block with a minimum (5-bit codes with one).
 
 ggml keeps inputs 0..15 of a Q4_0/Q4_1 block in the low nibbles of its 16 bytes and 16..31 in the high ones
 (Q4_K: sub-block 2j in the low nibbles of 32 bytes, 2j+1 in the high ones); MatMulNBits (and `Blocks.q`)
@@ -38,13 +42,14 @@ BLOCK = 32
 # the graph's LM head weight (export/quantize.py untie_head): tied to the embedding, or its own
 HEAD_WEIGHTS = ("model.embed_tokens.weight.T", "lm_head.weight.T")
 TABLE_WEIGHT = "model.embed_tokens.weight"  # the graph's embedding table (carried when its blocks are int8)
+INT8_FORMATS = ("q8", "q8x16", "q8_min")  # the formats whose codes are int8 (the rest: int4 nibbles)
 
 
 @dataclass
 class Blocks:
     """Weight rows [N, K] as blocks of 32 inputs: q4 / q4_min q uint8 [N, blocks, 16] (MatMulNBits' packing),
-    q8 / q8x16 q int8 [N, blocks, 32]; scales (and q4_min's mins) float32 [N, blocks] (q8x16: [N, blocks, 2],
-    inputs 0..15 and 16..31)."""
+    q8 / q8x16 / q8_min q int8 [N, blocks, 32]; scales (and q4_min's and q8_min's mins) float32 [N, blocks]
+    (q8x16: [N, blocks, 2], inputs 0..15 and 16..31)."""
 
     format: str
     k: int
@@ -58,7 +63,7 @@ class Blocks:
 
     def codes(self) -> np.ndarray:
         """Each input's integer code, [N, blocks, 32] (q4: 0..15, q8: -128..127)."""
-        if self.format in ("q8", "q8x16"):
+        if self.format in INT8_FORMATS:
             return self.q.astype(np.int32)
         codes = np.empty((*self.q.shape[:2], BLOCK), np.int32)
         codes[..., 0::2] = self.q & 15
@@ -71,7 +76,7 @@ class Blocks:
         d = np.repeat(self.scales, BLOCK // 2, axis=-1) if self.format == "q8x16" else self.scales[..., None]
         if self.format == "q4":
             w = d * (c - np.float32(8))
-        elif self.format == "q4_min":
+        elif self.format in ("q4_min", "q8_min"):
             w = d * c + self.mins[..., None]
         else:
             w = c * d
@@ -151,6 +156,23 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Blocks:
     return Blocks("q8x16", k, q, scales.reshape(n, -1, 2))
 
 
+def _q5_1(raw: np.ndarray, n: int, k: int) -> Blocks:
+    d, m = _fp16(raw[..., 0:2]), _fp16(raw[..., 2:4])
+    high = (raw[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # bit i: input i's fifth
+    low = np.concatenate([raw[..., 8:] & 15, raw[..., 8:] >> 4], axis=-1)  # inputs 0..15 low, 16..31 high
+    return Blocks("q8_min", k, (low | (high.astype(np.uint8) << 4)).astype(np.int8), d, m)
+
+
+def _q5_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    d, dmin = _fp16(raw[..., 0:2])[..., None], _fp16(raw[..., 2:4])[..., None]
+    sc, mn = _k_scales(raw[..., 4:16])
+    qs = raw[..., 48:].reshape(n, -1, 4, 32)  # four 32-byte chunks: sub-block 2j low nibbles, 2j+1 high (Q4_K's)
+    low = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, BLOCK)
+    high = (raw[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # sub-block j: bit j
+    q = (low | (high << 4)).astype(np.int8).reshape(n, -1, BLOCK)
+    return Blocks("q8_min", k, q, (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1))
+
+
 @dataclass(frozen=True)
 class GGMLType:
     format: str
@@ -166,6 +188,8 @@ TYPES = {
     "Q5_0": GGMLType("q8", 32, 22, _q5_0),
     "Q4_K": GGMLType("q4_min", 256, 144, _q4_k),
     "Q6_K": GGMLType("q8x16", 256, 210, _q6_k),
+    "Q5_1": GGMLType("q8_min", 32, 24, _q5_1),
+    "Q5_K": GGMLType("q8_min", 256, 176, _q5_k),
 }
 
 

@@ -27,6 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from specrt.errors import SpecrtError
+from specrt.export.gguf_blocks import INT8_FORMATS
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,14 @@ def exact_zero_points(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     return z
 
 
-def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) -> tuple[onnx.NodeProto, list]:
+def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) -> tuple[list, list]:
     """`MatMul(x, W)` as a MatMulNBits over `blocks` (export/gguf_blocks.py: the model file's own blocks,
     carried as they are): q4 4-bit symmetric, q4_min 4-bit with float zero points, q8 8-bit symmetric, q8x16
-    8-bit symmetric in blocks of 16 (a scale per half block)."""
+    8-bit symmetric in blocks of 16 (a scale per half block); q8_min (8-bit with a minimum, which MatMulNBits'
+    8-bit zero points cannot hold) as MatMulNBits over d·q plus the minimums times each block's sum of x
+    (min_term). The nodes, and the initializers they add."""
     fmt, n, k = blocks.format, blocks.n, blocks.k
-    eight = fmt in ("q8", "q8x16")
+    eight = fmt in INT8_FORMATS
     tag = "Q8" if eight else "Q4"
     q, scales, arrays = blocks.q, blocks.scales, {}
     if eight:
@@ -116,10 +119,41 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
               **{key: v.astype(np.float32).reshape(-1) for key, v in arrays.items()}}
     inits = [numpy_helper.from_array(v, f"{weight}_{key}") for key, v in arrays.items()]
     inputs = [node.input[0], *(f"{weight}_{key}" for key in arrays)]
-    new = onnx.helper.make_node("MatMulNBits", inputs, list(node.output), name=f"{node.name}_{tag}", domain="com.microsoft",
+    out = f"{node.output[0]}_codes" if fmt == "q8_min" else node.output[0]
+    new = onnx.helper.make_node("MatMulNBits", inputs, [out], name=f"{node.name}_{tag}", domain="com.microsoft",
                                 K=k, N=n, bits=8 if eight else 4, block_size=16 if fmt == "q8x16" else 32,
                                 accuracy_level=accuracy_level)
-    return new, inits
+    if fmt != "q8_min":
+        return [new], inits
+    more, more_inits = min_term(node, weight, blocks, out)
+    return [new, *more], inits + more_inits
+
+
+def min_term(node: onnx.NodeProto, weight: str, blocks, codes: str) -> tuple[list, list]:
+    """node's output = `codes` (x·(d·q)) + Σ_b m_b · Σ_{i in block b} x_i: x reshaped to [..., blocks, 32],
+    summed over each block, times the minimums [blocks, N] (`<weight>_mins`, which the native backend reads as
+    the q8_min blocks' minimums: engines/native/weights.py)."""
+    if blocks.k % 32:
+        raise SpecrtError(f"internal: {weight}'s blocks with minimums cover {blocks.k} inputs, not whole blocks of 32")
+    x, o, name = node.input[0], node.output[0], node.name
+    consts = {"_mins": np.ascontiguousarray(blocks.mins.T, np.float32),
+              "_min_lead": np.array([0], np.int64), "_min_end": np.array([-1], np.int64),
+              "_min_block": np.array([blocks.k // 32, 32], np.int64), "_min_axis": np.array([-1], np.int64)}
+    inits = [numpy_helper.from_array(v, weight + key) for key, v in consts.items()]
+    make = onnx.helper.make_node
+    nodes = [make("Shape", [x], [f"{o}_xshape"], name=f"{name}_min_shape"),
+             make("Slice", [f"{o}_xshape", weight + "_min_lead", weight + "_min_end"], [f"{o}_xlead"],
+                  name=f"{name}_min_lead"),
+             make("Concat", [f"{o}_xlead", weight + "_min_block"], [f"{o}_xblocks_shape"], name=f"{name}_min_concat",
+                  axis=0),
+             make("Reshape", [x, f"{o}_xblocks_shape"], [f"{o}_xblocks"], name=f"{name}_min_reshape"),
+             make("ReduceSum", [f"{o}_xblocks", weight + "_min_axis"], [f"{o}_xsums"], name=f"{name}_min_sum",
+                  keepdims=0),
+             # an Einsum, not a MatMul: no weight quantizer (nor the native reader) takes it for a float projection
+             make("Einsum", [f"{o}_xsums", weight + "_mins"], [f"{o}_min_term"], name=f"{name}_min_einsum",
+                  equation="...b,bn->...n"),
+             make("Add", [codes, f"{o}_min_term"], [o], name=f"{name}_min_add")]
+    return nodes, inits
 
 
 def table_nodes(node: onnx.NodeProto, weight: str, blocks, codes: str | None = None) -> tuple[list, list]:
@@ -228,7 +262,7 @@ def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme, exact: bool = 
             continue
         _check(weight, blocks[weight], want, exact)
         new, more = blocks_node(node, weight, blocks[weight], s.accuracy_level)
-        nodes.append(new)
+        nodes.extend(new)
         extra.extend(more)
         done.append(weight)
     for at in reversed(gathers):

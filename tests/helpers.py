@@ -162,26 +162,30 @@ def eventually(probe, timeout: float = 30.0, every: float = 0.01):
 
 def raw_k_blocks(rng, kind: str, rows: int, k: int, scale: float = 0.01):
     """Random GGUF `kind` super-blocks for `rows` rows of `k` inputs, as the bytes a file holds: any bytes
-    are a valid K-quant block but for its fp16 factors (d, and Q4_K's dmin), drawn in [scale/100, scale]."""
+    are a valid K-quant block but for its fp16 factors (d, and Q4_K's and Q5_K's dmin), drawn in
+    [scale/100, scale]."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
     inputs, size = GGML_QUANT_SIZES[T[kind]]
     raw = rng.integers(0, 256, (rows, k // inputs, size), dtype=np.uint8)
-    for off in {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]:
+    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}[kind]:
         d = (rng.random(raw.shape[:2]) * 0.99 * scale + scale / 100).astype(np.float16)
         raw[..., off:off + 2] = d[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-def k_quant_gguf(path: Path, source: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama GGUF typed as llama.cpp's Q4_K_M types one: Q4_K projections, Q6_K embedding (tied
-    head) and Q6_K attn_v / ffn_down in layer 0 (Q4_K in layer 1), random blocks; the metadata and tokenizer
-    of the GGUF at `source` (hidden 256, 4 heads of 64, 2 KV heads, ffn 512: whole 256-input super-blocks)."""
+def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K") -> Path:
+    """A 2-layer Llama GGUF typed as llama.cpp's Q4_K_M types one (`main` Q5_1: its 5-bit blocks with a minimum,
+    quantized by gguf-py from normal weights, where random K-quant bytes would be far off centre): `main`
+    projections, Q6_K embedding (tied head) and Q6_K attn_v / ffn_down in layer 0 (`main` in layer 1), random
+    blocks; the metadata and tokenizer of the GGUF at `source` (hidden 256, 4 heads of 64, 2 KV heads, ffn 512:
+    whole 256-input super-blocks)."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as T
+    from gguf import quants
 
     dims = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512, "attention.head_count": 4,
             "attention.head_count_kv": 2, "rope.dimension_count": 64, "context_length": 512}
@@ -198,15 +202,18 @@ def k_quant_gguf(path: Path, source: Path, seed: int = 0) -> Path:
     h, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
 
     def quant(name: str, kind: str, rows: int, k: int):
-        raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" else 1e-4 if name.startswith("token") else 3e-5)
+        if kind == "Q5_1":  # a legacy type gguf-py quantizes: blocks of real (centered) weights
+            raw = quants.quantize((rng.standard_normal((rows, k)) * 0.05).astype(np.float32), T[kind])
+        else:
+            raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" else 1e-4 if name.startswith("token") else 3e-5)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
 
     quant("token_embd.weight", "Q6_K", vocab, h)
     for i in range(2):
-        six = "Q6_K" if i == 0 else "Q4_K"
-        for short, rows, k, kind in (("attn_q", h, h, "Q4_K"), ("attn_k", 128, h, "Q4_K"), ("attn_v", 128, h, six),
-                                     ("attn_output", h, h, "Q4_K"), ("ffn_gate", ffn, h, "Q4_K"),
-                                     ("ffn_up", ffn, h, "Q4_K"), ("ffn_down", h, ffn, six)):
+        six = "Q6_K" if i == 0 else main
+        for short, rows, k, kind in (("attn_q", h, h, main), ("attn_k", 128, h, main), ("attn_v", 128, h, six),
+                                     ("attn_output", h, h, main), ("ffn_gate", ffn, h, main),
+                                     ("ffn_up", ffn, h, main), ("ffn_down", h, ffn, six)):
             quant(f"blk.{i}.{short}.weight", kind, rows, k)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))

@@ -87,7 +87,8 @@ def decoder_unsupported(path: Path, cfg: DecoderConfig) -> str:
 def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
     """A MatMulNBits node as the kernels' blocks: 4-bit symmetric (q4), 4-bit with float zero points (q4_min:
     a GGUF Q4_1's d·q + m, the minimum read back as -z·d) or 8-bit symmetric (q8), blocks of 32; or 8-bit
-    symmetric in blocks of 16 over whole blocks of 32 (q8x16: a GGUF Q6_K's)."""
+    symmetric in blocks of 16 over whole blocks of 32 (q8x16: a GGUF Q6_K's); 8-bit with an initializer
+    `<weight>_mins` beside it (q8_min: a Q5_1 or Q5_K block's d·q + m, the minimums' term a node of its own)."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     bits, zp_name, size = attrs.get("bits"), node.input[3] if len(node.input) > 3 else "", attrs.get("block_size")
     zp = tensor_array(path, inits[zp_name]) if zp_name else None
@@ -107,6 +108,14 @@ def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
                           f"and N {n} need {n * blocks * width} and {n * blocks * per}: export the bundle again")
     q = np.ascontiguousarray(q, np.uint8).reshape(n, blocks, width)
     scales = np.ascontiguousarray(scales, np.float32).reshape(n, blocks, per)
+    mins = inits.get(node.input[1].rsplit("_", 1)[0] + "_mins")  # a q8_min's (export/quantize.py min_term)
+    if bits == 8 and mins is not None and not halves:
+        mins = tensor_array(path, mins)
+        if mins.shape != (blocks, n):
+            raise SpecrtError(f"{path}: {node.name}'s minimums are {mins.shape}, not ({blocks}, {n}): export the "
+                              "bundle again")
+        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales[..., 0], format="q8_min",
+                      mins=np.ascontiguousarray(mins.T, np.float32))
     if bits == 8:
         return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales if halves else scales[..., 0],
                       format="q8x16" if halves else "q8")
