@@ -59,7 +59,7 @@ static inline __m512 pair8(const uint16_t* a, const uint16_t* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
-constexpr int kBlock16 = 32;  // shared cache rows per block (even: keys go in pairs)
+constexpr int kBlockRows = 32;  // shared cache rows per block (even: keys go in pairs)
 
 // Keys [j0, j1) as floats in pairs: pair p's chunk c (16 floats) is key j0+2p's values 8c..8c+7, then key
 // j0+2p+1's (zeros past j1), so one vector carries two keys' lane accumulators.
@@ -93,7 +93,7 @@ static inline void key_pairs(const KvQ8* base, int j0, int j1, float* buf) {
   }
 }
 
-// Values [j0, j1) as floats, row after row: a float cache's own rows in place, a half cache's converted.
+// Values [j0, j1) as floats, row after row: a float cache's own rows in place, a half or q8 cache's converted.
 template <int C>
 static inline const float* value_rows(const float* base, int j0, int, float*) {
   return base + static_cast<size_t>(j0) * 8 * C;
@@ -167,10 +167,10 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
                              const int* const* extra, const int* n_extra, float* scores, int lds,
                              float* const* out) {
   constexpr int d = 8 * C, D = C / 2;
-  alignas(64) float buf[kBlock16 * d];  // a block of keys in pairs, or of values (converted where not floats)
+  alignas(64) float buf[kBlockRows * d];  // a block of keys in pairs, or of values (converted where not floats)
   alignas(64) float row[d];             // one row of the window's own (row_floats)
-  for (int j0 = 0; j0 < prefix; j0 += kBlock16) {  // scores over the shared rows, keys in pairs
-    const int j1 = j0 + kBlock16 < prefix ? j0 + kBlock16 : prefix;
+  for (int j0 = 0; j0 < prefix; j0 += kBlockRows) {  // scores over the shared rows, keys in pairs
+    const int j1 = j0 + kBlockRows < prefix ? j0 + kBlockRows : prefix;
     key_pairs<C>(kc, j0, j1, buf);
     const int pairs = (j1 - j0 + 1) / 2;
     for (int i = 0; i < nq; ++i) {
@@ -211,8 +211,8 @@ static void attend_many_fast(const float* const* q, int nq, const KV* kc, const 
     s[n] = 1.0f / hsum8(lanes);  // the row's normalizer, kept past its scores (lds leaves room)
     for (int c = 0; c < D; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_setzero_ps());
   }
-  for (int j0 = 0; j0 < prefix; j0 += kBlock16) {  // the weighted sum over the shared rows, two queries at once
-    const int j1 = j0 + kBlock16 < prefix ? j0 + kBlock16 : prefix;
+  for (int j0 = 0; j0 < prefix; j0 += kBlockRows) {  // the weighted sum over the shared rows, two queries at once
+    const int j1 = j0 + kBlockRows < prefix ? j0 + kBlockRows : prefix;
     const float* vb = value_rows<C>(vc, j0, j1, buf);
     int i = 0;
     for (; i + 2 <= nq; i += 2) {
