@@ -22,20 +22,21 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C API's
 
 
 # weight formats of the kernels (csrc/w4a8.h Format): name -> the library's code
-FORMATS = {"q4": 0, "q4_min": 1, "q8": 2, "q8x16": 3, "q8_min": 4}
+FORMATS = {"q4": 0, "q4_min": 1, "q8": 2, "q8x16": 3, "q8_min": 4, "q8x16_min": 5}
 
 
 @dataclass
 class Linear:
     k: int
     n: int
-    q: np.ndarray  # q4, q4_min: uint8 [N, blocks, 16] (MatMulNBits' packing); q8, q8x16, q8_min: int8 [N, blocks, 32]
-    scales: np.ndarray  # float32 [N, blocks]; q8x16: [N, blocks, 2] (inputs 0..15, 16..31)
+    q: np.ndarray  # q4, q4_min: uint8 [N, blocks, 16] (MatMulNBits' packing); the q8 formats: int8 [N, blocks, 32]
+    scales: np.ndarray  # float32 [N, blocks]; q8x16, q8x16_min: [N, blocks, 2] (inputs 0..15, 16..31)
     bias: np.ndarray | None = None
     # q4: d·(q - 8); q4_min: d·q + m; q8: d·q; q8x16: d·q with a d per half block; q8_min: d·q + m (GGUF's
-    # Q4_0, Q4_1 and Q4_K, Q8_0, Q6_K, Q5_1 and Q5_K blocks)
+    # Q4_0, Q4_1 and Q4_K, Q8_0, Q6_K, Q5_1 and Q5_K blocks); q8x16_min: d·q + m per half block (a projection
+    # fused from rows of several of those types)
     format: str = "q4"
-    mins: np.ndarray | None = None  # q4_min, q8_min: float32 [N, blocks]
+    mins: np.ndarray | None = None  # q4_min, q8_min: float32 [N, blocks]; q8x16_min: [N, blocks, 2]
 
 
 @dataclass

@@ -27,7 +27,7 @@ class Linear:
         blocks = -(-k // 32)
         self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
         self.mins = None
-        if fmt in ("q8", "q8x16", "q8_min"):
+        if fmt in ("q8", "q8x16", "q8_min", "q8x16_min"):
             q = rng.integers(-128, 128, (n, blocks, 32)).astype(np.int8)
             if k % 32:
                 q[:, -1, k % 32:] = 0
@@ -36,10 +36,14 @@ class Linear:
             if fmt == "q8_min":  # a GGUF Q5_1 / Q5_K block's d·q + m (its codes 0..31; any int8 computes)
                 self.mins = (-rng.random((n, blocks)) * 0.15).astype(np.float32)
                 values = values + (self.mins / self.scales)[..., None]
-            if fmt == "q8x16":  # the upper half block's scale: its own, so a kernel that mixes the halves is off
+            if fmt in ("q8x16", "q8x16_min"):  # the upper half's scale: its own, so mixing the halves is off
                 upper = (rng.random((n, blocks)) * 0.05 + 0.001).astype(np.float32)
                 values[..., 16:] *= (upper / self.scales)[..., None]
                 self.scales = np.ascontiguousarray(np.stack([self.scales, upper], axis=-1))
+            if fmt == "q8x16_min":  # and each half its own minimum (in units of the lower scale, as `values`)
+                self.mins = (-rng.random((n, blocks, 2)) * 0.15).astype(np.float32)
+                values[..., :16] += (self.mins[..., 0] / self.scales[..., 0])[..., None]
+                values[..., 16:] += (self.mins[..., 1] / self.scales[..., 0])[..., None]
         else:
             q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
             values = q.astype(np.float64) - 8
@@ -49,7 +53,7 @@ class Linear:
             if k % 32:
                 q[:, -1, k % 32:] = 8  # padding inputs: never read against a nonzero activation
             self.packed = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))
-        lower = self.scales[..., 0] if fmt == "q8x16" else self.scales
+        lower = self.scales[..., 0] if fmt in ("q8x16", "q8x16_min") else self.scales
         self.dense = (values * lower[..., None]).reshape(n, -1)[:, :k]  # [N, K]
         self.bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if bias else None
         self.k, self.n = k, n

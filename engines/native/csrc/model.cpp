@@ -55,12 +55,12 @@ struct OwnedWeight : QWeight {
   OwnedWeight& operator=(const OwnedWeight&) = delete;
   ~OwnedWeight() { release(); }
   void release() {
-    free(packed), free(scales), free(mins), free(hi_scales), free(bias);
-    packed = nullptr, scales = nullptr, mins = nullptr, hi_scales = nullptr, bias = nullptr;
+    free(packed), free(scales), free(mins), free(hi_scales), free(hi_mins), free(bias);
+    packed = nullptr, scales = nullptr, mins = nullptr, hi_scales = nullptr, hi_mins = nullptr, bias = nullptr;
   }
   // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
   // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks] (kQ8x16: scales
-  // [N][blocks][2], the lower and upper half's). Columns past N pad the last tile with zero scales and minimums.
+  // [N][blocks][2], the lower and upper half's; kQ8x16Min: scales and mins so). Columns past N pad the last tile with zero scales and minimums.
   void load(int fmt, int k, int n, const uint8_t* q, const float* s, const float* mn, const float* b) {
     release();
     format = fmt, K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
@@ -70,10 +70,11 @@ struct OwnedWeight : QWeight {
     scales = static_cast<float*>(aligned(nscales * sizeof(float)));
     std::memset(packed, is_int8(fmt) ? 0x80 : 0x88, nbytes);
     std::memset(scales, 0, nscales * sizeof(float));
-    float** second = has_mins(fmt) ? &mins : fmt == kQ8x16 ? &hi_scales : nullptr;
-    if (second) {
-      *second = static_cast<float*>(aligned(nscales * sizeof(float)));
-      std::memset(*second, 0, nscales * sizeof(float));
+    for (float** extra : {&mins, &hi_scales, &hi_mins}) {  // the factors this format has besides its scales
+      const bool has = extra == &mins ? has_mins(fmt) : extra == &hi_scales ? has_halves(fmt) : fmt == kQ8x16Min;
+      if (!has) continue;
+      *extra = static_cast<float*>(aligned(nscales * sizeof(float)));
+      std::memset(*extra, 0, nscales * sizeof(float));
     }
     for (int col = 0; col < n; ++col) {
       int t = col / kTileN, c = col % kTileN;
@@ -91,12 +92,16 @@ struct OwnedWeight : QWeight {
           byte = (g % 2) ? static_cast<uint8_t>((byte & 0x0F) | (v << 4)) : static_cast<uint8_t>((byte & 0xF0) | v);
         }
         const size_t from = static_cast<size_t>(col) * blocks + blk, to = (static_cast<size_t>(t) * blocks + blk) * kTileN + c;
-        if (fmt == kQ8x16) {
+        if (has_halves(fmt)) {
           scales[to] = s[2 * from], hi_scales[to] = s[2 * from + 1];
         } else {
           scales[to] = s[from];
         }
-        if (mins) mins[to] = mn[from];
+        if (hi_mins) {
+          mins[to] = mn[2 * from], hi_mins[to] = mn[2 * from + 1];
+        } else if (mins) {
+          mins[to] = mn[from];
+        }
       }
     }
     if (b) {
@@ -660,18 +665,18 @@ int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
 }
 
 // A [K, N] projection of format `format` (w4a8.h Format): q_bytes = N * blocks * 16 (int4: MatMulNBits' layout)
-// or N * blocks * 32 (int8), n_scales = N * blocks (kQ8x16: 2 * N * blocks), n_mins = N * blocks for kQ4Min and
-// kQ8Min, 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
+// or N * blocks * 32 (int8), n_scales = N * blocks (kQ8x16, kQ8x16Min: 2 * N * blocks), n_mins = N * blocks for
+// kQ4Min and kQ8Min (kQ8x16Min: 2 * N * blocks), 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
 static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
                       int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
   if (!check(format >= 0 && format < kFormatCount, "weight format " + std::to_string(format) + " is not one of 0 (int4), "
                                                    "1 (int4 with minimums), 2 (int8), 3 (int8 in half blocks), 4 (int8 "
-                                                   "with minimums)"))
+                                                   "with minimums), 5 (int8 in half blocks with minimums)"))
     return false;
   const int64_t blocks = (static_cast<int64_t>(K) + kBlock - 1) / kBlock;
   const int64_t per_block = is_int8(format) ? kBlock : kBlock / 2;
-  const int64_t scales_per_block = format == kQ8x16 ? 2 : 1;
-  const int64_t want_mins = has_mins(format) ? static_cast<int64_t>(N) * blocks : 0;
+  const int64_t scales_per_block = has_halves(format) ? 2 : 1;
+  const int64_t want_mins = has_mins(format) ? static_cast<int64_t>(N) * blocks * scales_per_block : 0;
   return check(positive(K) && positive(N), dims("projection", K, N) + " is empty") &&
          check(q != nullptr && q_bytes == static_cast<int64_t>(N) * blocks * per_block,
                "packed weights of " + std::to_string(q_bytes) + " bytes for " + dims("a projection", K, N)) &&

@@ -28,24 +28,35 @@ inline int weight_at(const QWeight& w, int t, int b, int col, int k) {  // k: 0.
   return (g % 2) ? (byte >> 4) : (byte & 15);
 }
 
+// A block's weight factors besides its codes: ws / wh the scales of inputs 0..15 / 16..31 (wh: kQ8x16 and
+// kQ8x16Min), wm the minimum (kQ4Min, kQ8Min; kQ8x16Min: of inputs 0..15), wmh kQ8x16Min's of 16..31.
+struct BlockFactors {
+  float ws, wh, wm, wmh;
+};
+
 // One block's step of the float sequence of format `format` (w4a8.h); the vector kernels run the same steps.
-// isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; wm: the minimum (kQ4Min, kQ8Min)
-// or the upper half's scale (kQ8x16).
-inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, float qsum, float ws, float wm,
-                        float as, float acc) {
+// isum_lo / isum_hi: the integer sums over the block's inputs 0..15 / 16..31; corr, lo, qsum: the
+// activations' 8 · sum, sum over inputs 0..15 and scaled sum (QAct).
+inline float block_step(int format, int32_t isum_lo, int32_t isum_hi, int32_t corr, int32_t lo, float qsum,
+                        const BlockFactors& f, float as, float acc) {
   const int32_t isum = isum_lo + isum_hi;
   switch (format) {
     case kQ4Min:
     case kQ8Min:
-      acc = std::fma(static_cast<float>(isum), ws * as, acc);
-      return std::fma(wm, qsum, acc);
+      acc = std::fma(static_cast<float>(isum), f.ws * as, acc);
+      return std::fma(f.wm, qsum, acc);
     case kQ8:
-      return std::fma(static_cast<float>(isum), ws * as, acc);
+      return std::fma(static_cast<float>(isum), f.ws * as, acc);
     case kQ8x16:
-      acc = std::fma(static_cast<float>(isum_lo), ws * as, acc);
-      return std::fma(static_cast<float>(isum_hi), wm * as, acc);
+      acc = std::fma(static_cast<float>(isum_lo), f.ws * as, acc);
+      return std::fma(static_cast<float>(isum_hi), f.wh * as, acc);
+    case kQ8x16Min:
+      acc = std::fma(static_cast<float>(isum_lo), f.ws * as, acc);
+      acc = std::fma(static_cast<float>(isum_hi), f.wh * as, acc);
+      acc = std::fma(f.wm, as * static_cast<float>(lo), acc);
+      return std::fma(f.wmh, as * static_cast<float>(corr / 8 - lo), acc);
     default:
-      return std::fma(static_cast<float>(isum - corr), ws * as, acc);
+      return std::fma(static_cast<float>(isum - corr), f.ws * as, acc);
   }
 }
 
@@ -60,10 +71,10 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
         for (int b = 0; b < w.blocks; ++b) {
           int32_t isum[2] = {0, 0};
           for (int k = 0; k < kBlock; ++k) isum[k / 16] += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
-          size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col;
-          const float* second = w.format == kQ8x16 ? w.hi_scales : w.mins;
-          acc = block_step(w.format, isum[0], isum[1], a.corr[r * a.blocks + b], a.qsum[r * a.blocks + b], w.scales[at],
-                           second ? second[at] : 0.0f, a.scale[r * a.blocks + b], acc);
+          const size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col, ab = r * a.blocks + b;
+          const BlockFactors f{w.scales[at], w.hi_scales ? w.hi_scales[at] : 0.0f, w.mins ? w.mins[at] : 0.0f,
+                               w.hi_mins ? w.hi_mins[at] : 0.0f};
+          acc = block_step(w.format, isum[0], isum[1], a.corr[ab], a.lo_sum[ab], a.qsum[ab], f, a.scale[ab], acc);
         }
         y[static_cast<size_t>(r) * ldy + n] = w.bias ? acc + w.bias[n] : acc;
       }
@@ -92,10 +103,12 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  // the minimums (kQ4Min, kQ8Min) or the upper half blocks' scales (kQ8x16)
-  const float* wm = has_mins(F)   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
-                    : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
-                                  : nullptr;
+  // the upper halves' scales (kQ8x16, kQ8x16Min), the minimums (of the lower halves: kQ8x16Min's) and the
+  // upper halves' minimums (kQ8x16Min)
+  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
+  const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
+  const float* wm = has_mins(F) ? w.mins + off : nullptr;
+  const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
       _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
@@ -122,7 +135,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       const int row = r0 + r;
       const int8_t* qa = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
       const int32_t corr = a.corr[row * a.blocks + b];
-      __m256i sl, sh, sl2 = _mm256_setzero_si256(), sh2 = _mm256_setzero_si256();  // sl2, sh2: kQ8x16's upper half
+      __m256i sl, sh, sl2 = _mm256_setzero_si256(), sh2 = _mm256_setzero_si256();  // sl2, sh2: the upper half's
       if (is_int8(F)) {
         sl = sh = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
@@ -131,7 +144,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
           __m256i av = _mm256_set1_epi32(four);
           __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wl[g]), _mm256_sign_epi8(av, wl[g])), ones);
           __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wh[g]), _mm256_sign_epi8(av, wh[g])), ones);
-          if (F == kQ8x16 && g >= 4) {
+          if (has_halves(F) && g >= 4) {
             sl2 = _mm256_add_epi32(sl2, pl), sh2 = _mm256_add_epi32(sh2, ph);
           } else {
             sl = _mm256_add_epi32(sl, pl), sh = _mm256_add_epi32(sh, ph);
@@ -155,14 +168,24 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
       lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
       hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
-      if (has_mins(F)) {  // the minimums times the activations' scaled sum: one product per row and block
+      if (F == kQ4Min || F == kQ8Min) {  // the minimums times the activations' scaled sum: one product a block
         const __m256 qsum = _mm256_set1_ps(a.qsum[row * a.blocks + b]);
         lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), qsum, lo[r]);
         hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), qsum, hi[r]);
       }
-      if (F == kQ8x16) {
-        lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl2), _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN), as), lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh2), _mm256_mul_ps(_mm256_loadu_ps(wm + b * kTileN + 8), as), hi[r]);
+      if (has_halves(F)) {
+        lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl2), _mm256_mul_ps(_mm256_loadu_ps(whs + b * kTileN), as), lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh2), _mm256_mul_ps(_mm256_loadu_ps(whs + b * kTileN + 8), as), hi[r]);
+      }
+      if (F == kQ8x16Min) {  // each half's minimums times its activations' scaled sum
+        const int32_t lo_sum = a.lo_sum[row * a.blocks + b];
+        const float s = a.scale[row * a.blocks + b];
+        const __m256 alo = _mm256_set1_ps(s * static_cast<float>(lo_sum));
+        const __m256 ahi = _mm256_set1_ps(s * static_cast<float>(corr / 8 - lo_sum));
+        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), alo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), alo, hi[r]);
+        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN), ahi, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN + 8), ahi, hi[r]);
       }
     }
   }
@@ -186,9 +209,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = has_mins(F)   ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN
-                    : F == kQ8x16 ? w.hi_scales + static_cast<size_t>(t) * w.blocks * kTileN
-                                  : nullptr;
+  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;  // as tile_avx2's factors
+  const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
+  const float* wm = has_mins(F) ? w.mins + off : nullptr;
+  const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
     // this block's rows compute, so the products of several rows overlap the memory traffic
@@ -214,7 +238,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
       // one row, two chains (even / odd groups) hide the latency. Integer sums either way: neither choice can
       // change the result.
       __m512 as = _mm512_set1_ps(a.scale[row * a.blocks + b]);
-      if (F == kQ8x16) {  // two half blocks, each its own sum from minus 128 times its activations' sum
+      if (has_halves(F)) {  // two half blocks, each its own sum from minus 128 times its activations' sum
         const int32_t lo_sum = a.lo_sum[row * a.blocks + b];
         __m512i s0 = _mm512_set1_epi32(-128 * lo_sum), s1 = _mm512_set1_epi32(-128 * (corr / 8 - lo_sum));
         for (int g = 0; g < 4; ++g) {
@@ -222,7 +246,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
           s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], _mm512_set1_epi32(qa[g + 4]));
         }
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(wsv, as), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_loadu_ps(wm + b * kTileN), as), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_loadu_ps(whs + b * kTileN), as), acc[r]);
+        if (F == kQ8x16Min) {  // each half's minimums times its activations' scaled sum
+          const float sc = a.scale[row * a.blocks + b];
+          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(sc * static_cast<float>(lo_sum)),
+                                   acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wmh + b * kTileN),
+                                   _mm512_set1_ps(sc * static_cast<float>(corr / 8 - lo_sum)), acc[r]);
+        }
         continue;
       }
       __m512i s = _mm512_set1_epi32(F == kQ4 ? -corr : is_int8(F) ? -16 * corr : 0);
@@ -331,7 +362,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   }
 }
 
-// The 16 rows from r0 of tile t; every format but kQ8x16. A pipeline over groups of four blocks: group g's
+// The 16 rows from r0 of tile t; every format but the half-block ones. A pipeline over groups of four blocks: group g's
 // four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
 // reader), group g + 2's weights are unpacked (a tile load reads stores only once they have left the core),
 // and group g - 1's float steps run from the sums it stored one group earlier.
@@ -391,12 +422,13 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 constexpr int kAvx2Rows = 8, kVnniRows = 16;
 const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
                                                         SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16),
-                                                        SPN_TILES(tile_avx2, kQ8Min)};
+                                                        SPN_TILES(tile_avx2, kQ8Min), SPN_TILES(tile_avx2, kQ8x16Min)};
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
-    SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min)};
-// kQ8x16 (Q6_K's half blocks) needs two sums a block: it stays on tile_vnni
-const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr, tile_amx<kQ8Min>};
+    SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
+// the half-block formats need two sums a block: they stay on tile_vnni
+const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr, tile_amx<kQ8Min>,
+                                        nullptr};
 #undef SPN_TILES
 #undef SPN_TILES16
 
@@ -415,7 +447,7 @@ void gemm_tiles(const TileFn* fns, int per, const QWeight& w, const QAct& a, flo
 // (the unpack, the sums' round trip through memory) exceeds the vpdpbusd it saves (measured in
 // docs/performance.md, "AMX").
 void gemm_amx(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
-  if (w.format == kQ8x16 || a.M < kAmxRows) return gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
+  if (has_halves(w.format) || a.M < kAmxRows) return gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
   const int full = a.M / kAmxRows * kAmxRows;
   amx_configure();
   for (int t = t0; t < t1; ++t) {

@@ -1,10 +1,12 @@
 // Block-quantized weights applied to int8 activations (one fp32 scale per 32 inputs of a row). A weight
-// block is 32 inputs of one column, in one of five formats (GGUF's blocks carried as they are):
+// block is 32 inputs of one column, in one of six formats (GGUF's blocks carried as they are):
 //   kQ4     int4, w = d·(q - 8)      (Q4_0; also specrt's own symmetric int4 and ONNX MatMulNBits)
 //   kQ4Min  int4, w = d·q + m        (Q4_1, and Q4_K's sub-blocks: d = d·scale_j, m = -dmin·min_j)
 //   kQ8     int8, w = d·q            (Q8_0)
 //   kQ8x16  int8, w = d_lo·q on inputs 0..15, d_hi·q on 16..31 (Q6_K's 16-input sub-blocks, q - 32)
 //   kQ8Min  int8, w = d·q + m        (Q5_1, and Q5_K's sub-blocks: 5-bit codes, d = d·scale_j, m = -dmin·min_j)
+//   kQ8x16Min  int8, w = d_lo·q + m_lo on inputs 0..15, d_hi·q + m_hi on 16..31 (a projection fused from rows of
+//           different types, e.g. Q4_K q|k with a Q6_K v: each type's blocks are these blocks exactly)
 //
 // Batch invariance by construction: every output y[r][n] is, per format,
 //   kQ4     acc = fma(float(isum_b - 8 * asum_b), ws * as, acc)
@@ -12,6 +14,8 @@
 //   kQ8     acc = fma(float(isum_b), ws * as, acc)
 //   kQ8x16  acc = fma(float(isum_lo_b), ws * as, acc);  acc = fma(float(isum_hi_b), wh * as, acc)
 //   kQ8Min  as kQ4Min
+//   kQ8x16Min  kQ8x16's two steps, then acc = fma(wm_lo, as * float(asum_lo_b), acc);
+//              acc = fma(wm_hi, as * float(asum_b - asum_lo_b), acc)
 // over the blocks b in ascending order from acc = 0, where ws / wm / wh are the weights' scale / minimum / upper
 // half's scale of column n and block b, as = as[r][b], isum_b = the block's sum of q_w * q_a (exact in int32;
 // isum_lo_b / isum_hi_b over its inputs 0..15 / 16..31) and asum_b the block's sum of q_a. Only integers are
@@ -31,10 +35,11 @@ constexpr int kTileBytes = kBlock * kTileN / 2;  // packed bytes of one int4 blo
 constexpr int kTileBytes8 = kBlock * kTileN;     // ... of one int8 block: 512
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3, kIsaCount = 4 };
-enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kQ8Min = 4, kFormatCount = 5 };
+enum Format : int { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ8x16 = 3, kQ8Min = 4, kQ8x16Min = 5, kFormatCount = 6 };
 
-constexpr bool is_int8(int format) { return format == kQ8 || format == kQ8x16 || format == kQ8Min; }
-constexpr bool has_mins(int format) { return format == kQ4Min || format == kQ8Min; }
+constexpr bool is_int8(int format) { return format != kQ4 && format != kQ4Min; }
+constexpr bool has_halves(int format) { return format == kQ8x16 || format == kQ8x16Min; }  // two scales a block
+constexpr bool has_mins(int format) { return format == kQ4Min || format == kQ8Min || format == kQ8x16Min; }
 constexpr int tile_bytes(int format) { return is_int8(format) ? kTileBytes8 : kTileBytes; }
 
 // Packed weights of a [K, N] matrix. Tile t (columns 16t..16t+15), block b: 4 chunks of 64 bytes; chunk c
@@ -48,8 +53,9 @@ struct QWeight {
   int format = kQ4;
   uint8_t* packed = nullptr;  // tiles * blocks * tile_bytes(format) bytes, 64-byte aligned
   float* scales = nullptr;    // tiles * blocks * 16: scale of column 16t+i, block b at [(t*blocks+b)*16+i]
-  float* mins = nullptr;      // kQ4Min, kQ8Min: the blocks' minimums, laid out as `scales`; null otherwise
-  float* hi_scales = nullptr; // kQ8x16: the scales of the blocks' inputs 16..31, laid out as `scales`
+  float* mins = nullptr;      // kQ4Min, kQ8Min, kQ8x16Min (its inputs 0..15): the minimums, laid out as `scales`
+  float* hi_scales = nullptr; // kQ8x16, kQ8x16Min: the scales of the blocks' inputs 16..31, laid out as `scales`
+  float* hi_mins = nullptr;   // kQ8x16Min: the minimums of the blocks' inputs 16..31, laid out as `scales`
   float* bias = nullptr;      // N or null
 };
 
