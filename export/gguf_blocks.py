@@ -15,6 +15,9 @@ them again (engines/native/csrc/w4a8.h formats; ONNX Runtime's MatMulNBits).
     Q5_K        256: d, dmin fp16, Q4_K's scales and mins,    q8_min   per 32: (d·sc_j)·q_i - dmin·m_j
                 32 bytes of high bits, 128 of nibbles
 
+A projection fused from tensors of different types (q|k|v, gate|up) is carried as q8x16_min: int8 codes
+with a scale and a minimum per 16 inputs, which holds every type above exactly (`Blocks.halves_with_mins`).
+
 A K-quant's products d·sc_j and dmin·m_j are exact in float32 (an fp16 times a 6- or 8-bit integer), so its
 sub-blocks are blocks of the formats above with float32 scales and minimums, and `Blocks.dense()` is bitwise
 what gguf-py (and transformers with it) dequantizes. `q8x16` is an int8 block of 32 inputs with a scale for
@@ -42,14 +45,15 @@ BLOCK = 32
 # the graph's LM head weight (export/quantize.py untie_head): tied to the embedding, or its own
 HEAD_WEIGHTS = ("model.embed_tokens.weight.T", "lm_head.weight.T")
 TABLE_WEIGHT = "model.embed_tokens.weight"  # the graph's embedding table (carried when its blocks are int8)
-INT8_FORMATS = ("q8", "q8x16", "q8_min")  # the formats whose codes are int8 (the rest: int4 nibbles)
+INT8_FORMATS = ("q8", "q8x16", "q8_min", "q8x16_min")  # the formats whose codes are int8 (the rest: int4 nibbles)
+HALVES = ("q8x16", "q8x16_min")  # the formats with a scale per 16 inputs
 
 
 @dataclass
 class Blocks:
     """Weight rows [N, K] as blocks of 32 inputs: q4 / q4_min q uint8 [N, blocks, 16] (MatMulNBits' packing),
-    q8 / q8x16 / q8_min q int8 [N, blocks, 32]; scales (and q4_min's and q8_min's mins) float32 [N, blocks]
-    (q8x16: [N, blocks, 2], inputs 0..15 and 16..31)."""
+    q8 / q8x16 / q8_min / q8x16_min q int8 [N, blocks, 32]; scales (and q4_min's and q8_min's mins) float32
+    [N, blocks] (q8x16, and q8x16_min's scales and mins: [N, blocks, 2], inputs 0..15 and 16..31)."""
 
     format: str
     k: int
@@ -73,14 +77,26 @@ class Blocks:
     def dense(self) -> np.ndarray:
         """The weights [N, K] in float32, computed as gguf-py dequantizes them (and transformers with it)."""
         c = self.codes().astype(np.float32)
-        d = np.repeat(self.scales, BLOCK // 2, axis=-1) if self.format == "q8x16" else self.scales[..., None]
+        d = np.repeat(self.scales, BLOCK // 2, axis=-1) if self.format in HALVES else self.scales[..., None]
         if self.format == "q4":
             w = d * (c - np.float32(8))
         elif self.format in ("q4_min", "q8_min"):
             w = d * c + self.mins[..., None]
+        elif self.format == "q8x16_min":
+            w = d * c + np.repeat(self.mins, BLOCK // 2, axis=-1)
         else:
             w = c * d
         return w.reshape(self.n, -1)[:, : self.k]
+
+    def halves_with_mins(self) -> Blocks:
+        """These blocks as q8x16_min, exactly: int8 codes (q4's less 8), a scale and a minimum per 16 inputs
+        (each half of a 32-input block keeps its block's; q8x16's halves their own, minimums 0), so that rows of
+        different types fused into one projection share one format."""
+        codes = self.codes() - (8 if self.format == "q4" else 0)
+        two = self.scales if self.format == "q8x16" else np.stack([self.scales, self.scales], axis=-1)
+        mins = np.zeros_like(two) if self.mins is None else np.stack([self.mins, self.mins], axis=-1)
+        return Blocks("q8x16_min", self.k, codes.astype(np.int8), np.ascontiguousarray(two, np.float32),
+                      np.ascontiguousarray(mins, np.float32))
 
     def take_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.format, self.k, self.q[order], self.scales[order],
@@ -274,10 +290,10 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
         }
         for proj, tensors in parts.items():
             if all(g.has(name) for name, _, _ in tensors):
-                formats = {TYPES[g.type_of(name)].format for name, _, _ in tensors}
-                if len(formats) == 1:  # fused into one node: one format (Q4_1 and Q4_K's are both q4_min)
-                    out[f"{p}.{proj}.weight"] = Blocks.stack([_scaled(g.read(name, heads), s)
-                                                              for name, heads, s in tensors])
+                parts = [_scaled(g.read(name, heads), s) for name, heads, s in tensors]
+                if len({b.format for b in parts}) > 1:  # fused rows of several types (Q4_K q|k with a Q6_K v)
+                    parts = [b.halves_with_mins() for b in parts]
+                out[f"{p}.{proj}.weight"] = Blocks.stack(parts)
     table = g.read("token_embd.weight") if g.has("token_embd.weight") else None  # export/quantize.py carries
     if table is not None:  # it where its blocks are a format a table lookup takes (TABLE_FORMATS)
         out[TABLE_WEIGHT] = table

@@ -27,7 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from specrt.errors import SpecrtError
-from specrt.export.gguf_blocks import INT8_FORMATS
+from specrt.export.gguf_blocks import HALVES, INT8_FORMATS
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,16 @@ def exact_zero_points(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
 def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) -> tuple[list, list]:
     """`MatMul(x, W)` as a MatMulNBits over `blocks` (export/gguf_blocks.py: the model file's own blocks,
     carried as they are): q4 4-bit symmetric, q4_min 4-bit with float zero points, q8 8-bit symmetric, q8x16
-    8-bit symmetric in blocks of 16 (a scale per half block); q8_min (8-bit with a minimum, which MatMulNBits'
-    8-bit zero points cannot hold) as MatMulNBits over d·q plus the minimums times each block's sum of x
-    (min_term). The nodes, and the initializers they add."""
+    8-bit symmetric in blocks of 16 (a scale per half block); q8_min and q8x16_min (8-bit with a minimum per
+    32 or 16 inputs, which MatMulNBits' 8-bit zero points cannot hold) as MatMulNBits over d·q plus the
+    minimums times each block's sum of x (min_term). The nodes, and the initializers they add."""
     fmt, n, k = blocks.format, blocks.n, blocks.k
     eight = fmt in INT8_FORMATS
     tag = "Q8" if eight else "Q4"
     q, scales, arrays = blocks.q, blocks.scales, {}
     if eight:
         q = blocks.q.view(np.uint8) ^ np.uint8(0x80)  # MatMulNBits' 8-bit zero point is 128
-    if fmt == "q8x16":
+    if fmt in HALVES:
         q = q.reshape(n, -1, 16)
     if fmt == "q4_min":
         flat = scales == 0  # d = 0: every weight of the block is m; codes 0, scale -m, zero point 1 say so exactly
@@ -119,26 +119,27 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
               **{key: v.astype(np.float32).reshape(-1) for key, v in arrays.items()}}
     inits = [numpy_helper.from_array(v, f"{weight}_{key}") for key, v in arrays.items()]
     inputs = [node.input[0], *(f"{weight}_{key}" for key in arrays)]
-    out = f"{node.output[0]}_codes" if fmt == "q8_min" else node.output[0]
+    minimums = fmt in ("q8_min", "q8x16_min")
+    out = f"{node.output[0]}_codes" if minimums else node.output[0]
     new = onnx.helper.make_node("MatMulNBits", inputs, [out], name=f"{node.name}_{tag}", domain="com.microsoft",
-                                K=k, N=n, bits=8 if eight else 4, block_size=16 if fmt == "q8x16" else 32,
+                                K=k, N=n, bits=8 if eight else 4, block_size=16 if fmt in HALVES else 32,
                                 accuracy_level=accuracy_level)
-    if fmt != "q8_min":
+    if not minimums:
         return [new], inits
-    more, more_inits = min_term(node, weight, blocks, out)
+    more, more_inits = min_term(node, weight, blocks, out, 16 if fmt in HALVES else 32)
     return [new, *more], inits + more_inits
 
 
-def min_term(node: onnx.NodeProto, weight: str, blocks, codes: str) -> tuple[list, list]:
-    """node's output = `codes` (x·(d·q)) + Σ_b m_b · Σ_{i in block b} x_i: x reshaped to [..., blocks, 32],
-    summed over each block, times the minimums [blocks, N] (`<weight>_mins`, which the native backend reads as
-    the q8_min blocks' minimums: engines/native/weights.py)."""
+def min_term(node: onnx.NodeProto, weight: str, blocks, codes: str, size: int) -> tuple[list, list]:
+    """node's output = `codes` (x·(d·q)) + Σ_b m_b · Σ_{i in block b} x_i over blocks of `size` inputs: x
+    reshaped to [..., K / size, size], summed over each block, times the minimums [K / size, N] (`<weight>_mins`,
+    which the native backend reads as the blocks' minimums: engines/native/weights.py)."""
     if blocks.k % 32:
         raise SpecrtError(f"internal: {weight}'s blocks with minimums cover {blocks.k} inputs, not whole blocks of 32")
     x, o, name = node.input[0], node.output[0], node.name
-    consts = {"_mins": np.ascontiguousarray(blocks.mins.T, np.float32),
+    consts = {"_mins": np.ascontiguousarray(blocks.mins.reshape(blocks.n, -1).T, np.float32),
               "_min_lead": np.array([0], np.int64), "_min_end": np.array([-1], np.int64),
-              "_min_block": np.array([blocks.k // 32, 32], np.int64), "_min_axis": np.array([-1], np.int64)}
+              "_min_block": np.array([blocks.k // size, size], np.int64), "_min_axis": np.array([-1], np.int64)}
     inits = [numpy_helper.from_array(v, weight + key) for key, v in consts.items()]
     make = onnx.helper.make_node
     nodes = [make("Shape", [x], [f"{o}_xshape"], name=f"{name}_min_shape"),

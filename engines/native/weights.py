@@ -109,14 +109,15 @@ def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
                           f"and N {n} need {n * blocks * width} and {n * blocks * per}: export the bundle again")
     q = np.ascontiguousarray(q, np.uint8).reshape(n, blocks, width)
     scales = np.ascontiguousarray(scales, np.float32).reshape(n, blocks, per)
-    mins = inits.get(node.input[1].rsplit("_", 1)[0] + "_mins")  # a q8_min's (export/quantize.py min_term)
-    if bits == 8 and mins is not None and not halves:
+    mins = inits.get(node.input[1].rsplit("_", 1)[0] + "_mins")  # q8_min's, q8x16_min's (quantize.py min_term)
+    if bits == 8 and mins is not None:
         mins = tensor_array(path, mins)
-        if mins.shape != (blocks, n):
-            raise SpecrtError(f"{path}: {node.name}'s minimums are {mins.shape}, not ({blocks}, {n}): export the "
-                              "bundle again")
-        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales[..., 0], format="q8_min",
-                      mins=np.ascontiguousarray(mins.T, np.float32))
+        if mins.shape != (blocks * per, n):
+            raise SpecrtError(f"{path}: {node.name}'s minimums are {mins.shape}, not ({blocks * per}, {n}): export "
+                              "the bundle again")
+        mins = np.ascontiguousarray(mins.T, np.float32).reshape(n, blocks, per)
+        return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales if halves else scales[..., 0],
+                      format="q8x16_min" if halves else "q8_min", mins=mins if halves else mins[..., 0])
     if bits == 8:
         return Linear(k, n, (q ^ np.uint8(0x80)).view(np.int8), scales if halves else scales[..., 0],
                       format="q8x16" if halves else "q8")

@@ -92,8 +92,10 @@ def test_matmulnbits_nodes_give_the_blocks_back(default_gguf, real_model):
                  (rng.random((48, 18, 2)) * 0.01 + 1e-4).astype(np.float32))  # Q6_K's: a scale per 16 inputs
     five = Blocks("q8_min", 576, rng.integers(0, 32, (48, 18, 32)).astype(np.int8),  # Q5_K's: 5-bit codes
                   (rng.random((48, 18)) * 0.01 + 1e-4).astype(np.float32), (-rng.random((48, 18)) * 0.1).astype(np.float32))
+    mixed = Blocks.stack([q4m.halves_with_mins(), six.halves_with_mins(), five.halves_with_mins()])  # fused types
+    assert np.array_equal(mixed.dense(), np.concatenate([q4m.dense(), six.dense(), five.dense()]))
     parts = {"q4_min": q4m, "q8": g.read("token_embd.weight").take_rows(np.arange(64)),
-             "q4": Blocks("q4", 576, q4m.q, q4m.scales + 0.01), "q8x16": six, "q8_min": five}
+             "q4": Blocks("q4", 576, q4m.q, q4m.scales + 0.01), "q8x16": six, "q8_min": five, "q8x16_min": mixed}
     x = np.random.default_rng(1).standard_normal((3, 576)).astype(np.float32)
     for fmt, b in parts.items():
         node = onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")
@@ -105,14 +107,14 @@ def test_matmulnbits_nodes_give_the_blocks_back(default_gguf, real_model):
         y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
         want = _rows(b, x)
         assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max(), fmt
-        assert len(new) == (8 if fmt == "q8_min" else 1), fmt  # q8_min: its minimums' term beside MatMulNBits
+        assert len(new) == (8 if fmt.endswith("_min") and fmt != "q4_min" else 1), fmt  # the minimums' term beside
         lin = _nbits(new[0], {t.name: t for t in inits}, "mm.onnx")
         exact = b.scales != 0  # the same codes and scales, but for the flat block (scale -m, zero point 1)
-        exact = exact.all(axis=-1) if fmt == "q8x16" else exact
+        exact = exact.all(axis=-1) if fmt in ("q8x16", "q8x16_min") else exact
         assert lin.format == fmt and np.array_equal(lin.scales[exact], b.scales[exact]), fmt
         assert np.array_equal(lin.q[exact].view(np.uint8), b.q[exact].view(np.uint8)), fmt
-        if fmt == "q8_min":  # minimums as they are, beside the node
-            assert np.array_equal(lin.mins, b.mins)
+        if fmt in ("q8_min", "q8x16_min"):  # minimums as they are, beside the node
+            assert np.array_equal(lin.mins, b.mins) and np.array_equal(lin.scales, b.scales), fmt  # flat ones too
         if fmt == "q4_min":  # minimums through a float zero point: exact, or within an ulp where none is
             assert np.all(np.abs(lin.mins - b.mins) <= np.spacing(np.abs(b.mins)))
             assert np.mean(lin.mins == b.mins) > 0.85
@@ -174,13 +176,18 @@ def test_k_quants_are_the_weights_transformers_loads_and_the_bundle_carries_them
             assert b.format == ("q8x16" if i == 0 and short in ("attn_v", "ffn_down") else "q4_min"), (i, short)
             assert np.array_equal(b.dense(), state[f"model.layers.{i}.{name}.weight"].numpy()), (i, short)
     m = Manifest.load(bundle)
-    # layer 0's q|k|v mixes Q4_K and Q6_K rows in one fused node: quantized again; the other 7, the head and the
-    # embedding table carried
-    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 9, "formats": ["q4_min", "q8x16"]}}
+    # every projection carried: layer 0's q|k|v, which mixes Q4_K and Q6_K rows in one fused node, as int8 half
+    # blocks with a scale and a minimum each (q8x16_min), the head and the embedding table too
+    assert m.artifacts["quantization"]["from_model_file"] == {
+        "target": {"weights": 10, "formats": ["q4_min", "q8x16", "q8x16_min"]}}
     w = read(m.onnx_path(bundle, "target"), m.graphs["target"].config)
     blocks = projection_blocks(path, cfg)
-    # quantized again: int4 blocks fitted to the float weights (export/int4_fit.py), a scale and minimum each
-    assert "model.layers.0.qkv_proj.weight" not in blocks and w.layers[0]["qkv_proj"].format == "q4_min"
+    lin, b = w.layers[0]["qkv_proj"], blocks["model.layers.0.qkv_proj.weight"]
+    assert lin.format == b.format == "q8x16_min" and np.array_equal(lin.q, b.q)
+    assert np.array_equal(lin.scales, b.scales) and np.array_equal(lin.mins, b.mins)
+    qkv = [g.read(f"blk.0.attn_{x}.weight", heads.get(f"attn_{x}")).dense() for x in "qkv"]
+    qkv[0] *= np.float32(cfg.attn_scale)  # the graph folds 1/√d into q
+    assert np.array_equal(b.dense(), np.concatenate(qkv))
     for i, name, fmt in ((0, "down_proj", "q8x16"), (1, "qkv_proj", "q4_min"), (1, "down_proj", "q4_min")):
         lin, b = w.layers[i][name], blocks[f"model.layers.{i}.{name}.weight"]
         kept = b.scales != 0  # but for flat sub-blocks (a Q4_K scale of 0: codes 0, scale -m, zero point 1)
@@ -221,9 +228,9 @@ def test_5_bit_blocks_are_carried_as_int8_blocks_with_minimums(q5):
         b = g.read(f"blk.1.{short}.weight", heads.get(short))
         assert b.format == "q8_min" and np.array_equal(b.dense(), state[f"model.layers.1.{name}.weight"].numpy()), short
     m = Manifest.load(bundle)
-    # layer 0's q|k|v mixes Q5_1 and Q6_K rows in one fused node: quantized again; the other 7, the head and the
-    # embedding table carried
-    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 9, "formats": ["q8_min", "q8x16"]}}
+    # every projection carried (layer 0's q|k|v mixes Q5_1 and Q6_K rows: q8x16_min), the head and the table too
+    assert m.artifacts["quantization"]["from_model_file"] == {
+        "target": {"weights": 10, "formats": ["q8_min", "q8x16", "q8x16_min"]}}
     w = read(m.onnx_path(bundle, "target"), m.graphs["target"].config)
     blocks = projection_blocks(path, cfg)
     for i, name in ((0, "o_proj"), (1, "qkv_proj"), (1, "down_proj")):
@@ -270,7 +277,8 @@ def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
                                  "--draft-layers", "0", "--no-parity-check"])
     assert r.exit_code == 0, r.output
     m = Manifest.load(out)
-    assert m.artifacts["quantization"]["from_model_file"] == {"target": {"weights": 8, "formats": ["q4_min", "q8x16"]}}
+    assert m.artifacts["quantization"]["from_model_file"] == {
+        "target": {"weights": 9, "formats": ["q4_min", "q8x16", "q8x16_min"]}}
     w = read(m.onnx_path(out, "target"), m.graphs["target"].config)
     assert w.head.format == "q4_min" and w.layers[0]["down_proj"].format == "q8x16"
     r = CliRunner().invoke(cli, ["export", "--model", str(path), "-o", str(tmp_path / "no"), "--int4-head"])

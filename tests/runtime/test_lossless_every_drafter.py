@@ -128,7 +128,7 @@ def test_speculation_and_serving_equal_plain_on_an_int8_cache(reference, bundles
     the target computes something else than on halves: its own plain output is the reference. EAGLE-3's
     drafts verified on that cache, alone and served in shared ragged passes, give exactly that output."""
     _, ids, halves = reference["int4"]
-    ids, halves = ids[::2], halves[::2]
+    ids, halves = ids[::3], halves[::3]  # a third of the prompts: CI's time goes to the default cache
     gen = Generator(bundles["int4"], "plain", max_seq_len=512, num_draft_tokens=4, kv_dtype="int8")
     assert gen.backend == "native" and gen.target.kv_dtype == "int8"
     plain = [gen.generate_ids(x, NEW_TOKENS).token_ids for x in ids]
