@@ -254,15 +254,17 @@ def test_a_5_bit_bundle_computes_its_source_model(q5, backend):
 @pytest.mark.parametrize("backend", ["native", "ort"])
 def test_a_k_quant_bundle_computes_its_source_model(k_quant, backend):
     """Teacher-forced against the fp32 model of the file's values (a random model, whose prompts are far from
-    anything it would say): the carried blocks keep it close (measured: ratio 1.0065 native, 1.0064 ort),
-    where quantizing them all again measured a perplexity ratio of 1.021 on both backends."""
+    anything it would say). With every projection carried (the mixed layer-0 q|k|v as q8x16_min) it measured
+    ratio 0.998 native / 0.9995 ort, KL 0.0025 / 0.0003, top-1 0.986 / 0.995 on the AMX Xeon; with that q|k|v
+    quantized again (before) KL 0.057 / 0.078, top-1 0.90 / 0.89; everything quantized again 1.021, KL
+    0.062 / 0.081."""
     from specrt.tools.quality import quality_check
 
     r = quality_check(k_quant[2], prompts=3, tokens=16, backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
-    # the ratio is what tells carried from re-quantized here; KL and top-1 only bound gross errors (ONNX
-    # Runtime's int8 paths differ by CPU kind: measured KL 0.055 native, 0.078 ort; top-1 0.90, 0.89)
-    assert r["ratio"] <= 1.015 and r["kl"] <= 0.2 and r["top1_agreement"] >= 0.8, r
+    # bounds with room for ONNX Runtime's int8 paths, which differ by CPU kind; a projection quantized again fails
+    # the KL bound
+    assert r["ratio"] <= 1.015 and r["kl"] <= 0.03 and r["top1_agreement"] >= 0.9, r
 
 
 def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
