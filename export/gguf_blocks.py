@@ -146,12 +146,17 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """A legacy 5-bit block's codes 0..31 [..., 32] from its 4 bytes of fifth bits (bit i: input i's) and 16 of
+    nibbles (inputs 0..15 low, 16..31 high)."""
+    high = (qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return low | (high.astype(np.uint8) << 4)
+
+
 def _q5_0(raw: np.ndarray, n: int, k: int) -> Blocks:
-    d = _fp16(raw[..., 0:2])
-    high = (raw[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # bit i: input i's fifth
-    low = np.concatenate([raw[..., 6:] & 15, raw[..., 6:] >> 4], axis=-1)  # inputs 0..15 low, 16..31 high
-    q = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
-    return Blocks("q8", k, q, d)
+    q = (_five_bits(raw[..., 2:6], raw[..., 6:]).astype(np.int16) - 16).astype(np.int8)
+    return Blocks("q8", k, q, _fp16(raw[..., 0:2]))
 
 
 def _q4_k(raw: np.ndarray, n: int, k: int) -> Blocks:
@@ -173,10 +178,8 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Blocks:
 
 
 def _q5_1(raw: np.ndarray, n: int, k: int) -> Blocks:
-    d, m = _fp16(raw[..., 0:2]), _fp16(raw[..., 2:4])
-    high = (raw[..., 4:8].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # bit i: input i's fifth
-    low = np.concatenate([raw[..., 8:] & 15, raw[..., 8:] >> 4], axis=-1)  # inputs 0..15 low, 16..31 high
-    return Blocks("q8_min", k, (low | (high.astype(np.uint8) << 4)).astype(np.int8), d, m)
+    q = _five_bits(raw[..., 4:8], raw[..., 8:]).astype(np.int8)
+    return Blocks("q8_min", k, q, _fp16(raw[..., 0:2]), _fp16(raw[..., 2:4]))
 
 
 def _q5_k(raw: np.ndarray, n: int, k: int) -> Blocks:

@@ -101,89 +101,67 @@ static void to_half_f16c(const float* x, uint16_t* out, int n) {
   for (; i < n; ++i) out[i] = float_to_half(x[i]);
 }
 
-// quantize_row on 8 lanes: the block's absmax (a maximum is exact in any order; _mm256_max_ps(f, m) is the
-// reference's `f > m ? f : m`, NaN skipped), the same product, rounding and clamps on each value, and integer
-// sums; a block that runs past K's end takes the reference's loop.
-static void quantize_row_avx2(const float* x, int K, QAct& a, int row) {
+// quantize32 on 8 lanes: its absmax (a maximum is exact in any order; _mm256_max_ps(f, m) is the
+// reference's `f > m ? f : m`, NaN skipped) and, where it is positive, its codes into q (the reference's
+// product, rounding and clamps on each value, a NaN giving 0) with their int32 lanes in qi; else zero codes.
+static inline float quantize32_avx2(const float* xb, int8_t* q, __m256i* qi) {
   const __m256 sign = _mm256_set1_ps(-0.0f), round = _mm256_set1_ps(kRound);
   const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+  __m256 v[4], mv = _mm256_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_loadu_ps(xb + 8 * c);
+    mv = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), mv);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float m = _mm_cvtss_f32(m4);
+  if (!(m > 0.0f)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+    return m;
+  }
+  const __m256 inv = _mm256_set1_ps(127.0f / m);
+  for (int c = 0; c < 4; ++c) {
+    __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[c], inv), round), round);
+    r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
+    r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
+    r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // a NaN input gives 0
+    qi[c] = _mm256_cvttps_epi32(r);
+  }
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                                     _mm256_packs_epi32(qi[2], qi[3])), order));
+  return m;
+}
+
+// quantize_row on 8 lanes: each whole block by quantize32_avx2, then its integer sums; a block that runs past K's
+// end takes the reference's loop.
+static void quantize_row_avx2(const float* x, int K, QAct& a, int row) {
   const int full = K / kBlock;
   for (int b = 0; b < full; ++b) {
-    const float* xb = x + static_cast<size_t>(b) * kBlock;
-    __m256 v[4], mv = _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      v[c] = _mm256_loadu_ps(xb + 8 * c);
-      mv = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), mv);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const float m = _mm_cvtss_f32(m4);
     int8_t* q = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
+    __m256i qi[4];
+    const float m = quantize32_avx2(x + static_cast<size_t>(b) * kBlock, q, qi);
     int32_t sum = 0, lo = 0;
     if (m > 0.0f) {
-      const __m256 inv = _mm256_set1_ps(127.0f / m);
-      __m256i qi[4];
-      for (int c = 0; c < 4; ++c) {
-        __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[c], inv), round), round);
-        r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
-        r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
-        r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // a NaN input gives 0
-        qi[c] = _mm256_cvttps_epi32(r);
-      }
-      const __m256i packed = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
       alignas(32) int32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(qi[0], qi[1]));
       for (int l = 0; l < 8; ++l) lo += lanes[l];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(qi[2], qi[3]));
       sum = lo;
       for (int l = 0; l < 8; ++l) sum += lanes[l];
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
     }
     set_block_sums(a, row, b, m, sum, lo);
   }
   for (int b = full; b < a.blocks; ++b) quantize_block(x, K, a, row, b);
 }
 
-// to_q8 on 8 lanes: quantize_row_avx2's steps on each block of 32 (absmax, product, rounding, clamps, a NaN
-// giving 0), without the sums.
+// to_q8 on 8 lanes: quantize32_avx2 on each block of 32, its scale beside.
 static void to_q8_avx2(const float* x, KvQ8* out, int d) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), round = _mm256_set1_ps(kRound);
-  const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int b = 0; b < d / 32; ++b) {
-    const float* xb = x + 32 * b;
-    __m256 v[4], mv = _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      v[c] = _mm256_loadu_ps(xb + 8 * c);
-      mv = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), mv);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const float m = _mm_cvtss_f32(m4);
-    KvQ8& o = out[b];
-    o.scale = m / 127.0f;
-    if (!(m > 0.0f)) {
-      std::memset(o.q, 0, sizeof(o.q));
-      continue;
-    }
-    const __m256 inv = _mm256_set1_ps(127.0f / m);
     __m256i qi[4];
-    for (int c = 0; c < 4; ++c) {
-      __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[c], inv), round), round);
-      r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
-      r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
-      r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));
-      qi[c] = _mm256_cvttps_epi32(r);
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q),
-                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
-                                                                       _mm256_packs_epi32(qi[2], qi[3])), order));
+    out[b].scale = quantize32_avx2(x + 32 * b, out[b].q, qi) / 127.0f;
   }
 }
 
