@@ -172,10 +172,17 @@ def load_model(path: str | Path, keep_hf: bool = True) -> LoadedModel:
 
     `keep_hf` keeps the transformers model too (for parity checks and the transformers peer).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from specrt.export.gguf_once import gguf_parsed_once
 
     path = Path(path)
     src, kw = _split_source(path)
+    with gguf_parsed_once():  # transformers reads a .gguf four times over otherwise
+        return _load(path, src, kw, keep_hf)
+
+
+def _load(path: Path, src: str, kw: dict, keep_hf: bool) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     try:
         hf_config = AutoConfig.from_pretrained(src, **kw)
     except Exception as e:  # transformers raises many types for unreadable inputs

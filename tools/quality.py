@@ -3,7 +3,7 @@
 Speculation is exact relative to the target, so the target must be the model the user gave. The
 reference is the source model the bundle was exported from (a GGUF's values dequantized, or an HF
 folder's), in fp32 torch. For every N-th held-out prompt of the shipped corpus it writes the reference's
-own greedy answer (one cached row a step); the bundle's target, on the backend the runtime would pick,
+own greedy answer (the prompts decoded as one batch, a cached row each a step); the bundle's target, on the backend the runtime would pick,
 scores prompt + answer in one pass. Reported per position: perplexity and its ratio to the reference's,
 top-1 agreement, mean KL(reference ‖ target). The verdict holds the ratio and the agreement to bounds.
 """
@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specrt.errors import SpecrtError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,32 @@ class Bounds:
 def verdict(report: dict, bounds: Bounds) -> str:
     ok = report["ratio"] <= bounds.max_ratio and report["top1_agreement"] >= bounds.min_top1
     return "pass" if ok else "fail"
+
+
+def greedy_references(module, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """The torch `module`'s greedy answer of `tokens` tokens to each prompt, and its log-probabilities (float64) at
+    every position from the prompt's last on. Each prompt is prefilled alone (their lengths differ); the answers
+    are decoded together, one batched step a token, so the fp32 weights stream once a step for every prompt."""
+    import torch
+
+    with torch.no_grad():
+        kv = module.new_kv(len(prompts), max(map(len, prompts)) + tokens)
+        ids, rows = [list(p) for p in prompts], [[] for _ in prompts]
+        for b, p in enumerate(ids):
+            t = len(p)
+            out, _ = module(torch.tensor([p]), torch.arange(t)[None], torch.tensor([0]),
+                            torch.tril(torch.ones(t, t, dtype=torch.bool))[None], [(k[b : b + 1], v[b : b + 1])
+                                                                                   for k, v in kv])
+            rows[b].append(out[0])
+            p.append(int(out[0, -1].argmax()))
+        for _ in range(tokens - 1):
+            t = torch.tensor([len(p) - 1 for p in ids])
+            out, _ = module(torch.tensor([[p[-1]] for p in ids]), t[:, None], t,
+                            torch.ones(len(ids), 1, 1, dtype=torch.bool), kv)
+            for b, p in enumerate(ids):
+                rows[b].append(out[b])
+                p.append(int(out[b, -1].argmax()))
+    return [(p, torch.cat(r).double().log_softmax(-1)) for p, r in zip(ids, rows, strict=True)]
 
 
 def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: int = 2, backend: str = "auto",
@@ -50,26 +80,9 @@ def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: in
     loaded = load_model(source, keep_hf=False)
     module = loaded.module
 
-    @torch.no_grad()
-    def reference(ids: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The reference's greedy answer to `ids` and its log-probabilities at every position of the result."""
-        t = len(ids)
-        kv = module.new_kv(1, t + tokens)
-        out, _ = module(torch.tensor([ids]), torch.arange(t)[None], torch.tensor([0]),
-                        torch.tril(torch.ones(t, t, dtype=torch.bool))[None], kv)
-        rows = [out[0]]
-        ids = [*ids, int(out[0, -1].argmax())]
-        for _ in range(tokens - 1):
-            t = len(ids) - 1
-            out, _ = module(torch.tensor([[ids[-1]]]), torch.tensor([[t]]), torch.tensor([t]),
-                            torch.ones(1, 1, 1, dtype=torch.bool), kv)
-            rows.append(out[0])
-            ids.append(int(out[0, -1].argmax()))
-        return ids, torch.cat(rows).double().log_softmax(-1)
-
     held = load_prompts("heldout")
     rows = held[:: max(1, len(held) // prompts)][:prompts]
-    seqs = [reference(encode(loaded, row["prompt"])) for row in rows]
+    seqs = greedy_references(module, [encode(loaded, row["prompt"]) for row in rows], tokens)
     target = TargetModel(bundle, max_seq_len=max(len(ids) for ids, _ in seqs) + 8, threads=threads, backend=backend,
                          kv_dtype=kv_dtype)
     nll = ref_nll = kl = agree = n = 0.0

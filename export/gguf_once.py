@@ -1,0 +1,66 @@
+"""Read a GGUF file's header once per model load.
+
+transformers reads a .gguf's metadata for each of config, tokenizer, generation config and weights: four
+`gguf.GGUFReader` parses of every field (a 49k-token vocabulary and its merges are ~10^6 small numpy views,
+~3 s a parse on a 2-core VM), four conversions of them into Python values, and a `gguf.TensorNameMap` for
+each of the model's ~400 submodules. Each is a pure function of its arguments and none is changed after it
+is built, so within `gguf_parsed_once()` each is built once: the reader and the name maps shared, the
+metadata (`load_gguf_checkpoint(path)` without tensors) handed out as a fresh copy each time, since
+transformers edits the dicts it gets. transformers imports these names inside its functions, so swapping the
+modules' attributes for the span of the load is what it sees; they are restored on exit. The model loaded is
+the same, value for value (tests/export/test_gguf_once.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+from collections.abc import Iterator
+
+_lock = threading.Lock()  # one load swaps the attributes at a time
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    try:
+        import gguf
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:  # transformers then reports the missing package itself
+        yield
+        return
+    with _lock:
+        reader, name_map, checkpoint = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
+        readers: dict[tuple, object] = {}
+        maps: dict[tuple, object] = {}
+        metadata: dict[tuple, dict] = {}
+
+        def key_of(path, *rest) -> tuple:
+            st = os.stat(path)
+            return (os.path.realpath(path), *rest, st.st_size, st.st_mtime_ns)
+
+        def one_reader(path, mode="r"):
+            key = key_of(path, mode)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
+
+        def one_checkpoint(path, *args, **kwargs):
+            if args or any(kwargs.values()):  # the weights (return_tensors=True, a model to load): every time
+                return checkpoint(path, *args, **kwargs)
+            key = key_of(path)
+            if key not in metadata:
+                metadata[key] = checkpoint(path)
+            return copy.deepcopy(metadata[key])
+
+        def one_map(arch, n_blocks):
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = name_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = one_reader, one_map, one_checkpoint
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, checkpoint
