@@ -22,8 +22,8 @@ def run(bundle, *extra):
 
 
 @pytest.mark.slow
-def test_validate_lossless_passes(real_bundle):
-    code, report = run(real_bundle)
+def test_validate_lossless_passes(trained_int4_bundle):
+    code, report = run(trained_int4_bundle)
     assert {"statistic", "threshold", "samples", "verdict"} <= set(report)
     assert report["samples"] == 300 and report["drafter"] == "ngram"
     assert report["accepted_drafts"] > 30, report  # the check exercises acceptance, not only the fallback
@@ -31,12 +31,13 @@ def test_validate_lossless_passes(real_bundle):
 
 
 @pytest.mark.slow
-def test_validate_lossless_fails_for_a_wrong_rule(real_bundle, monkeypatch):
+def test_validate_lossless_fails_for_a_wrong_rule(trained_int4_bundle, monkeypatch):
     def always_accept_first(w, logits, params, rng):  # a biased rule: takes the first draft unconditionally
         first = [c for c in range(1, len(w.tokens)) if w.tree.parents[c] == 0][:1]
         return first, sample_from(warp(logits[first[0] if first else 0], params), float(rng.random()))
 
     monkeypatch.setitem(acceptance.ACCEPTANCE, "rejection", always_accept_first)
-    code, report = run(real_bundle, "--drafter", "draft")  # its (untrained) draws are far from the target
+    # its draws (trained for seconds) are far from the target
+    code, report = run(trained_int4_bundle, "--drafter", "draft")
     assert code == 1 and report["verdict"] == "fail", report
     assert np.isfinite(report["threshold"])

@@ -19,9 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def trained(trained_drafters, trained_bundle):
+def trained(trained_drafters, trained_int4_bundle):
+    """The default configuration: the int4 target on the native kernels (fp32 targets: test_lossless_every_drafter)."""
     _, prompts, metrics = trained_drafters
-    return trained_bundle, prompts, metrics
+    return trained_int4_bundle, prompts, metrics
 
 
 def test_training_reports_a_curve_and_saves_checkpoints(trained):
