@@ -92,13 +92,23 @@ def trained_drafters(real_model, tmp_path_factory):
     return folders, rows[:-1], metrics
 
 
+def _trained_bundle(real_model, trained_drafters, tmp_path_factory, quantize):
+    from specrt.export.bundle import ExportOptions, export_bundle
+
+    out = tmp_path_factory.mktemp("trainedb") / (quantize or "fp32")
+    # graph parity is tested per kind on tiny models (tests/export/test_drafters.py); skipped here for time
+    export_bundle(real_model, out, ExportOptions(progress=False, check_parity=False, quantize=quantize,
+                                                 drafters=tuple(trained_drafters[0])))
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(real_model, trained_drafters, tmp_path_factory):
+    """The real target (fp32) with every trained drafter kind."""
+    return _trained_bundle(real_model, trained_drafters, tmp_path_factory, None)
+
+
 @pytest.fixture(scope="session")
 def trained_int4_bundle(real_model, trained_drafters, tmp_path_factory):
     """The default configuration: the real target quantized to int4, with every trained drafter kind."""
-    from specrt.export.bundle import ExportOptions, export_bundle
-
-    out = tmp_path_factory.mktemp("trainedb") / "int4"
-    # graph parity is tested per kind on tiny models (tests/export/test_drafters.py); skipped here for time
-    export_bundle(real_model, out, ExportOptions(progress=False, check_parity=False, quantize="int4",
-                                                 drafters=tuple(trained_drafters[0])))
-    return out
+    return _trained_bundle(real_model, trained_drafters, tmp_path_factory, "int4")

@@ -1,8 +1,8 @@
 """The product's promise on the real model, on whatever CPU runs this: greedy speculative output
 equals the target's own plain greedy output, token for token, for every drafter (chains and the
 default tree) and for batched serving, on the int4 default configuration — and on fp32 for prompt
-lookup and EAGLE-3 (every learned drafter on fp32 is also held to plain output on the prompts it was
-trained on, tests/runtime/test_trained_real.py).
+lookup and EAGLE-3 (every learned drafter is also held to plain output on the prompts it was trained
+on, on the int4 bundle: tests/runtime/test_trained_real.py).
 
 The execution mode that makes this hold is measured on this machine (runtime/exactness.py); which
 mode it is differs between CPU kinds, and no test here asserts which. A divergence fails outright:
