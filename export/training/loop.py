@@ -7,6 +7,8 @@ AVX2-only CPU bf16 matmuls are emulated and ~50× slower than fp32. `TrainSettin
 SPECRT_TRAIN_PRECISION) forces either (export/training/precision.py); the metrics say which ran and why.
 The held-out prompts (every 6th of each category) are never trained on; they give the per-step
 top-1 agreement and τ estimate recorded in `metrics.json` (a curve over training time) and plotted.
+`epochs` 0 with `init` takes no step: the warm start saved over this data's draft vocabulary and
+evaluated (how the shipped EAGLE-3 head's vocabulary was cut to 4,096: docs/training.md).
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     """Train a `settings.kind` drafter for the `DecoderLM` target on `data`; save it to `out` (and, beside
     it, the run's state: checkpoint.py). `clock` times the limit, the schedule, evaluations and saves."""
     kind = settings.kind
+    if settings.epochs == 0 and not settings.init:
+        raise SpecrtError("--epochs 0 saves a warm start over this data's draft vocabulary: pass --init CHECKPOINT")
     spec = drafters.kind_spec(kind).training
     precision, precision_record = train_precision(settings.precision)  # before any work: a bad value fails fast
     torch.manual_seed(settings.seed)
@@ -136,7 +140,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     if not train_seqs or not held:
         raise SpecrtError("the prompt corpus needs both train and held-out prompts")
     per_epoch = math.ceil(len(train_seqs) / settings.batch_seqs)
-    total = max(1, int(settings.epochs * per_epoch))
+    total = 0 if settings.epochs == 0 else max(1, int(settings.epochs * per_epoch))  # 0: --init re-saved
     eval_at = {round(total * (k + 1) / settings.evals) for k in range(settings.evals)}
     rng = torch.Generator().manual_seed(settings.seed)
     fixed = asdict(settings)
@@ -219,8 +223,12 @@ def _point(run: checkpoint.RunState, per_epoch: int, train_seqs: int, seconds: f
     return {"step": run.step, "epochs": round(run.step / per_epoch, 3), "tokens_seen": run.seen,
             "train_sequences": train_seqs, "seconds": round(seconds, 1),
             "train_tokens_per_second": round(run.seen / max(run.train_seconds, 1e-9), 1),
-            "loss": round(loss.item(), 4), "top1_per_step": [round(a, 4) for a in accs],
+            "loss": round(loss.item(), 4) if run.step else None, "top1_per_step": [round(a, 4) for a in accs],
             "tau_est": round(chain_tau(accs), 3)}
+
+
+# what metrics.json keeps of a warm start's run (not its own warm start: the record stays one level deep)
+INIT_RUN_KEYS = ("settings", "steps_done", "train_sequences", "train_tokens", "label_vocab", "curve", "final")
 
 
 def _write(module, settings: TrainSettings, out: Path, lr: float, precision: str, precision_record: dict,
@@ -236,6 +244,9 @@ def _write(module, settings: TrainSettings, out: Path, lr: float, precision: str
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),
                "top1_coverage_by_vocab_size": coverage_by_size(top1),
                "curve": run.curve, "final": run.curve[-1] if run.curve else {}}
+    if settings.init and (Path(settings.init) / "metrics.json").is_file():  # the warm start's own run, one level
+        init = json.loads((Path(settings.init) / "metrics.json").read_text())
+        metrics["init_run"] = {k: init[k] for k in INIT_RUN_KEYS if k in init}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if run.curve:
         plot_curves({settings.kind: metrics}, out / "tau_curve.png", f"specrt train {settings.kind}")

@@ -34,8 +34,9 @@ def _target_source(target: Path | None) -> Path:
               help="Target model folder / .gguf, or a bundle exported from one. Default: the embedded model.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Checkpoint folder. Default: $SPECRT_HOME/drafters/KIND (where export looks).")
-@click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Passes over the training prompts' answers (default per kind, see README).")
+@click.option("--epochs", type=click.FloatRange(min=0), default=None,
+              help="Passes over the training prompts' answers (default per kind, see README). 0 with --init: no "
+                   "step; the warm start saved over this data's draft vocabulary (--draft-vocab) and evaluated.")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
               help="Stop early after this long (the run is then marked as cut).")
 @click.option("--steps", type=click.IntRange(min=1, max=8), default=None,
@@ -107,7 +108,7 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
     out = output or drafter_dir(kind)
     loaded = load_model(_target_source(target), keep_hf=False)
     default_epochs = 1.0 if store else kinds.kind(kind).training.epochs
-    s = TrainSettings(kind=kind, epochs=epochs or default_epochs, max_minutes=max_minutes,
+    s = TrainSettings(kind=kind, epochs=default_epochs if epochs is None else epochs, max_minutes=max_minutes,
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
                       max_prompts=max_prompts, precision=precision, options=options, draft_vocab=draft_vocab,
                       save_dtype=save_dtype, init=str(init) if init else None, resume=resume,

@@ -122,3 +122,26 @@ def test_warm_start_copies_all_but_the_vocabulary(real_model, data, tmp_path):
     module = drafters.build(drafters.make_config("mtp"), real_model.module)
     with pytest.raises(SpecrtError, match="is a eagle3 checkpoint; this run trains mtp"):
         checkpoint.warm_start(module, base)
+
+
+def test_zero_epochs_saves_the_warm_start_over_a_smaller_vocabulary(real_model, data, tmp_path):
+    """`--epochs 0 --init`: no step; every weight is the init's, bitwise, and the draft vocabulary is this data's
+    `draft_vocab` most frequent top-1 ids (of the ones the init's wider one held), evaluated on the held-out."""
+    base = tmp_path / "base"
+    train(real_model.module, _settings(epochs=1), base, data, progress=False, clock=Clock())
+    cut = tmp_path / "cut"
+    m = train(real_model.module, _settings(epochs=0, draft_vocab=128, init=str(base)), cut, data, progress=False,
+              clock=Clock())
+    a, b = _weights(base), _weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "d2t")
+    top1, anywhere = data.top_counts(real_model.module.cfg.vocab_size)
+    want = loop.label_vocabulary(top1, anywhere, 128)
+    assert torch.equal(torch.arange(128) + b["d2t"], want)
+    assert set(want.tolist()) <= set((torch.arange(len(a["d2t"])) + a["d2t"]).tolist())  # 128 of the 512
+    assert m["steps_done"] == 0 and len(m["curve"]) == 1 and m["final"]["loss"] is None
+    assert m["init_run"]["steps_done"] > 0 and m["init_run"]["label_vocab"] == 512  # the run it was cut from
+    assert m["final"]["step"] == 0 and 0.0 <= min(m["final"]["top1_per_step"]) <= 1.0 and m["label_vocab"] == 128
+    head = drafters.load(cut, real_model.module)  # the head rows are the target's, at the new ids
+    assert torch.equal(head.lm_head.weight, real_model.module.lm_head.weight[want])
+    with pytest.raises(SpecrtError, match="--epochs 0 saves a warm start"):
+        train(real_model.module, _settings(epochs=0), tmp_path / "none", data, progress=False, clock=Clock())
