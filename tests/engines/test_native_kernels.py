@@ -226,3 +226,20 @@ def test_a_float_rounds_to_the_nearest_half_on_every_kernel(kernel):
     numbers = ~np.isnan(x)
     assert np.array_equal(got[numbers], want[numbers])
     assert np.array_equal(got, halves("scalar"))
+
+
+def test_amx_tiles_of_fewer_than_16_rows_give_the_reference(tmp_path):
+    """SPECRT_AMX_MIN_ROWS=2 (read once, when the library loads: so in a process of its own) runs every call of
+    2-15 rows on tiles of exactly that many rows; this file's AMX checks, every row count and block count, then
+    hold those tiles to the scalar reference bitwise."""
+    import os
+    import subprocess
+    import sys
+
+    needs("amx")
+    env = {**os.environ, "SPECRT_AMX_MIN_ROWS": "2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "amx and not fewer_than_16", "--basetemp", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]

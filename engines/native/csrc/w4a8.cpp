@@ -4,6 +4,7 @@
 #include "w4a8.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -300,7 +301,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   SPN_TZERO(C);                                \
   SPN_TDPBSSD(C, A, B)
 
-constexpr int kAmxRows = 16;  // rows of a tile; fewer rows run tile_vnni (gemm_amx)
+constexpr int kAmxRows = 16;  // rows of a tile at most
+// The fewest rows a call runs on tiles: 16 unless SPECRT_AMX_MIN_ROWS (2-16) asks for fewer, when a call of
+// that many to 15 rows runs tiles of exactly its rows (the integer sums are exact either way, so every row
+// stays bitwise tile_vnni's). Whether small calls gain is not measured yet (docs/performance.md, "AMX"): the
+// variable lets the suite hold those tiles to the reference and a benchmark time them; one row always stays
+// on tile_vnni.
+int amx_min_rows() {
+  static const int rows = [] {
+    const char* s = std::getenv("SPECRT_AMX_MIN_ROWS");
+    const int n = s ? std::atoi(s) : kAmxRows;
+    return n < 2 ? 2 : n > kAmxRows ? kAmxRows : n;
+  }();
+  return rows;
+}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -308,11 +322,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: the sums of four blocks (16 x 16 int32); 4, 5: activations (16 x 32 bytes); 6, 7: weights (8 x 64).
-void amx_configure() {
+// Tiles 0-3: the sums of four blocks (rows x 16 int32); 4, 5: activations (rows x 32 bytes); 6, 7: weights
+// (8 x 64). `rows`: the rows every call of tile_amx<rows> until the next configure computes.
+void amx_configure(int rows) {
   TileConfig c;
-  for (int i = 0; i < 4; ++i) c.rows[i] = kAmxRows, c.colsb[i] = kTileN * 4;
-  for (int i = 4; i < 6; ++i) c.rows[i] = kAmxRows, c.colsb[i] = kBlock;
+  for (int i = 0; i < 4; ++i) c.rows[i] = static_cast<uint8_t>(rows), c.colsb[i] = kTileN * 4;
+  for (int i = 4; i < 6; ++i) c.rows[i] = static_cast<uint8_t>(rows), c.colsb[i] = kBlock;
   for (int i = 6; i < 8; ++i) c.rows[i] = kBlock / 4, c.colsb[i] = 64;
   asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
 }
@@ -346,13 +361,13 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void amx_weights(c
   }
 }
 
-// Block b's float steps for the 16 rows from r0, from its tile of sums s: tile_vnni's.
-template <int F>
+// Block b's float steps for the R rows from r0, from its tile of sums s: tile_vnni's.
+template <int R, int F>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void amx_steps(
     __m512* acc, const QAct& a, int r0, int b, const int32_t* s, const float* ws, const float* wm) {
   const __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
 #pragma GCC unroll 16
-  for (int r = 0; r < kAmxRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int row = r0 + r;
     const __m512i v = _mm512_load_si512(s + r * kTileN);
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b])),
@@ -362,18 +377,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   }
 }
 
-// The 16 rows from r0 of tile t; every format but the half-block ones. A pipeline over groups of four blocks: group g's
+// The R rows from r0 of tile t (the tiles configured for R rows); every format but the half-block ones. A pipeline over groups of four blocks: group g's
 // four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
 // reader), group g + 2's weights are unpacked (a tile load reads stores only once they have left the core),
 // and group g - 1's float steps run from the sums it stored one group earlier.
-template <int F>
+template <int R, int F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_amx(const QWeight& w, const QAct& a,
                                                                                  int r0, int t, float* y, int ldy) {
   constexpr int TB = tile_bytes(F);
   alignas(64) uint8_t wbuf[3][4][kBlock * kTileN];   // [group % 3][block of the group]
-  alignas(64) int32_t sums[2][4][kTileN * kTileN];  // [group % 2][block of the group]
-  __m512 acc[kAmxRows];
-  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[2][4][R * kTileN];  // [group % 2][block of the group]
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
   const float* wm = has_mins(F) ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
@@ -383,7 +398,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
   for (int i = 0; i < 8 && i < w.blocks; ++i) amx_weights<F>(wp + i * TB, wbuf[i / 4][i % 4]);
   for (int g = 0; g < groups; ++g) {
     const int b = 4 * g, n = w.blocks - b < 4 ? w.blocks - b : 4;
-    int32_t(*s)[kTileN * kTileN] = sums[g & 1];
+    int32_t(*s)[R * kTileN] = sums[g & 1];
     for (int c = 0; c < 4 * TB / 64; ++c)  // the weights 4 KiB ahead, as tile_vnni
       _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
     SPN_TBLOCK(0, 4, 6, wbuf[g % 3][0], qa + b * kBlock, stride);
@@ -396,12 +411,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
     if (n > 3) SPN_TSTORE(3, s[3]);
     for (int i = 0; i < 4 && b + 8 + i < w.blocks; ++i) amx_weights<F>(wp + (b + 8 + i) * TB, wbuf[(g + 2) % 3][i]);
     if (g > 0)
-      for (int i = 0; i < 4; ++i) amx_steps<F>(acc, a, r0, b - 4 + i, sums[(g - 1) & 1][i], ws, wm);
+      for (int i = 0; i < 4; ++i) amx_steps<R, F>(acc, a, r0, b - 4 + i, sums[(g - 1) & 1][i], ws, wm);
   }
   const int last = 4 * (groups - 1);
-  for (int i = 0; last + i < w.blocks; ++i) amx_steps<F>(acc, a, r0, last + i, sums[(groups - 1) & 1][i], ws, wm);
+  for (int i = 0; last + i < w.blocks; ++i) amx_steps<R, F>(acc, a, r0, last + i, sums[(groups - 1) & 1][i], ws, wm);
   alignas(64) float out[kTileN];
-  for (int r = 0; r < kAmxRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     _mm512_store_ps(out, acc[r]);
     store_tile(w, t, out, y + static_cast<size_t>(r0 + r) * ldy);
   }
@@ -427,8 +442,13 @@ const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
 // the half-block formats need two sums a block: they stay on tile_vnni
-const TileFn kAmxTiles[kFormatCount] = {tile_amx<kQ4>, tile_amx<kQ4Min>, tile_amx<kQ8>, nullptr, tile_amx<kQ8Min>,
-                                        nullptr};
+#define SPN_AMX(F)                                                                                                \
+  {nullptr,          nullptr,          tile_amx<2, F>,  tile_amx<3, F>,  tile_amx<4, F>,  tile_amx<5, F>,          \
+   tile_amx<6, F>,   tile_amx<7, F>,   tile_amx<8, F>,  tile_amx<9, F>,  tile_amx<10, F>, tile_amx<11, F>,         \
+   tile_amx<12, F>,  tile_amx<13, F>,  tile_amx<14, F>, tile_amx<15, F>, tile_amx<16, F>}
+const TileFn kAmxTiles[kFormatCount][kAmxRows + 1] = {SPN_AMX(kQ4),    SPN_AMX(kQ4Min), SPN_AMX(kQ8),
+                                                      {},              SPN_AMX(kQ8Min), {}};
+#undef SPN_AMX
 #undef SPN_TILES
 #undef SPN_TILES16
 
@@ -442,16 +462,16 @@ void gemm_tiles(const TileFn* fns, int per, const QWeight& w, const QAct& a, flo
   }
 }
 
-// AMX: the tiles are configured once for the call; the rows past the last whole 16 run tile_vnni in the same
-// sweep over the weights, and so does a call of fewer than 16 rows: with fewer, a tile's fixed cost per block
-// (the unpack, the sums' round trip through memory) exceeds the vpdpbusd it saves (measured in
-// docs/performance.md, "AMX").
+// AMX: the tiles are configured once for the call, for 16 rows, or for all of a call's rows below 16 (from
+// amx_min_rows()); the rows past the last whole 16 run tile_vnni in the same sweep over the weights, and so does
+// a call of fewer rows (measured in docs/performance.md, "AMX").
 void gemm_amx(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int t1) {
-  if (has_halves(w.format) || a.M < kAmxRows) return gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
-  const int full = a.M / kAmxRows * kAmxRows;
-  amx_configure();
+  if (has_halves(w.format) || a.M < amx_min_rows()) return gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
+  const int per = a.M < kAmxRows ? a.M : kAmxRows;
+  const int full = a.M / per * per;
+  amx_configure(per);
   for (int t = t0; t < t1; ++t) {
-    for (int r0 = 0; r0 < full; r0 += kAmxRows) kAmxTiles[w.format](w, a, r0, t, y, ldy);
+    for (int r0 = 0; r0 < full; r0 += per) kAmxTiles[w.format][per](w, a, r0, t, y, ldy);
     if (full < a.M) kVnniTiles[w.format][a.M - full](w, a, full, t, y, ldy);
   }
   amx_release();
