@@ -293,10 +293,10 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
         }
         for proj, tensors in parts.items():
             if all(g.has(name) for name, _, _ in tensors):
-                parts = [_scaled(g.read(name, heads), s) for name, heads, s in tensors]
-                if len({b.format for b in parts}) > 1:  # fused rows of several types (Q4_K q|k with a Q6_K v)
-                    parts = [b.halves_with_mins() for b in parts]
-                out[f"{p}.{proj}.weight"] = Blocks.stack(parts)
+                rows = [_scaled(g.read(name, heads), s) for name, heads, s in tensors]
+                if len({r.format for r in rows}) > 1:  # fused rows of several types (Q4_K q|k with a Q6_K v)
+                    rows = [r.halves_with_mins() for r in rows]
+                out[f"{p}.{proj}.weight"] = Blocks.stack(rows)
     table = g.read("token_embd.weight") if g.has("token_embd.weight") else None  # export/quantize.py carries
     if table is not None:  # it where its blocks are a format a table lookup takes (TABLE_FORMATS)
         out[TABLE_WEIGHT] = table

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -33,7 +34,6 @@ def gguf_parsed_once() -> Iterator[None]:
     with _lock:
         reader, name_map, checkpoint = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
         readers: dict[tuple, object] = {}
-        maps: dict[tuple, object] = {}
         metadata: dict[tuple, dict] = {}
 
         def key_of(path, *rest) -> tuple:
@@ -54,12 +54,7 @@ def gguf_parsed_once() -> Iterator[None]:
                 metadata[key] = checkpoint(path)
             return copy.deepcopy(metadata[key])
 
-        def one_map(arch, n_blocks):
-            if (arch, n_blocks) not in maps:
-                maps[arch, n_blocks] = name_map(arch, n_blocks)
-            return maps[arch, n_blocks]
-
-        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = one_reader, one_map, one_checkpoint
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = one_reader, functools.cache(name_map), one_checkpoint
         try:
             yield
         finally:

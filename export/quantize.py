@@ -119,7 +119,7 @@ def blocks_node(node: onnx.NodeProto, weight: str, blocks, accuracy_level: int) 
               **{key: v.astype(np.float32).reshape(-1) for key, v in arrays.items()}}
     inits = [numpy_helper.from_array(v, f"{weight}_{key}") for key, v in arrays.items()]
     inputs = [node.input[0], *(f"{weight}_{key}" for key in arrays)]
-    minimums = fmt in ("q8_min", "q8x16_min")
+    minimums = eight and blocks.mins is not None  # q8_min, q8x16_min (q4_min's are zero points)
     out = f"{node.output[0]}_codes" if minimums else node.output[0]
     new = onnx.helper.make_node("MatMulNBits", inputs, [out], name=f"{node.name}_{tag}", domain="com.microsoft",
                                 K=k, N=n, bits=8 if eight else 4, block_size=16 if fmt in HALVES else 32,

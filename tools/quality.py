@@ -3,8 +3,8 @@
 Speculation is exact relative to the target, so the target must be the model the user gave. The
 reference is the source model the bundle was exported from (a GGUF's values dequantized, or an HF
 folder's), in fp32 torch. For every N-th held-out prompt of the shipped corpus it writes the reference's
-own greedy answer (the prompts decoded as one batch, a cached row each a step); the bundle's target, on the backend the runtime would pick,
-scores prompt + answer in one pass. Reported per position: perplexity and its ratio to the reference's,
+own greedy answer (the prompts decoded as one batch, a cached row each a step); the bundle's target, on the
+backend the runtime would pick, scores prompt + answer in one pass. Reported per position: perplexity and its ratio to the reference's,
 top-1 agreement, mean KL(reference ‖ target). The verdict holds the ratio and the agreement to bounds.
 """
 

@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -60,7 +61,8 @@ struct OwnedWeight : QWeight {
   }
   // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
   // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks] (kQ8x16: scales
-  // [N][blocks][2], the lower and upper half's; kQ8x16Min: scales and mins so). Columns past N pad the last tile with zero scales and minimums.
+  // [N][blocks][2], the lower and upper half's; kQ8x16Min: scales and mins so). Columns past N pad the last
+  // tile with zero scales and minimums.
   void load(int fmt, int k, int n, const uint8_t* q, const float* s, const float* mn, const float* b) {
     release();
     format = fmt, K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
@@ -70,8 +72,10 @@ struct OwnedWeight : QWeight {
     scales = static_cast<float*>(aligned(nscales * sizeof(float)));
     std::memset(packed, is_int8(fmt) ? 0x80 : 0x88, nbytes);
     std::memset(scales, 0, nscales * sizeof(float));
-    for (float** extra : {&mins, &hi_scales, &hi_mins}) {  // the factors this format has besides its scales
-      const bool has = extra == &mins ? has_mins(fmt) : extra == &hi_scales ? has_halves(fmt) : fmt == kQ8x16Min;
+    // the factors this format has besides its scales
+    const std::pair<float**, bool> extras[] = {{&mins, has_mins(fmt)}, {&hi_scales, has_halves(fmt)},
+                                               {&hi_mins, fmt == kQ8x16Min}};
+    for (const auto& [extra, has] : extras) {
       if (!has) continue;
       *extra = static_cast<float*>(aligned(nscales * sizeof(float)));
       std::memset(*extra, 0, nscales * sizeof(float));
@@ -666,7 +670,8 @@ int spn_set_norm(void* h, int layer, int which, const float* w, int64_t n) {
 
 // A [K, N] projection of format `format` (w4a8.h Format): q_bytes = N * blocks * 16 (int4: MatMulNBits' layout)
 // or N * blocks * 32 (int8), n_scales = N * blocks (kQ8x16, kQ8x16Min: 2 * N * blocks), n_mins = N * blocks for
-// kQ4Min and kQ8Min (kQ8x16Min: 2 * N * blocks), 0 otherwise, n_bias N or 0; checked against the shapes the model's dimensions give before it is read.
+// kQ4Min and kQ8Min (kQ8x16Min: 2 * N * blocks), 0 otherwise, n_bias N or 0; checked against the shapes the
+// model's dimensions give before it is read.
 static bool weight_ok(int format, int K, int N, const uint8_t* q, int64_t q_bytes, const float* scales,
                       int64_t n_scales, const float* mins, int64_t n_mins, const float* bias, int64_t n_bias) {
   if (!check(format >= 0 && format < kFormatCount, "weight format " + std::to_string(format) + " is not one of 0 (int4), "

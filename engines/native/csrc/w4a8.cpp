@@ -377,8 +377,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
   }
 }
 
-// The R rows from r0 of tile t (the tiles configured for R rows); every format but the half-block ones. A pipeline over groups of four blocks: group g's
-// four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
+// The R rows from r0 of tile t (the tiles configured for R rows); every format but the half-block ones. A
+// pipeline over groups of four blocks: group g's four products are issued into four sum tiles (a tile is not renamed: a product into it waits for its last
 // reader), group g + 2's weights are unpacked (a tile load reads stores only once they have left the core),
 // and group g - 1's float steps run from the sums it stored one group earlier.
 template <int R, int F>
