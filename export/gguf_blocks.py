@@ -14,11 +14,20 @@ them again (engines/native/csrc/w4a8.h formats; ONNX Runtime's MatMulNBits).
                 nibbles
     Q5_K        256: d, dmin fp16, Q4_K's scales and mins,    q8_min   per 32: (d·sc_j)·q_i - dmin·m_j
                 32 bytes of high bits, 128 of nibbles
+    Q3_K        256: 32 bytes of high bits, 64 of 2-bit       q8x16    per 16: (d·(sc_j - 32))·q_i, q_i in -4..3
+                codes, 12 of 6-bit scales, d fp16
+    Q2_K        256: 16 bytes of 4-bit scales and mins, 64    q8x16_min per 16: (d·sc_j)·q_i - dmin·m_j, q_i 0..3
+                of 2-bit codes, d, dmin fp16
+    IQ4_NL      32: d fp16, 16 bytes of nibbles               q8       d·v[q_i], v llama.cpp's 16 int8 levels
+    IQ4_XS      256: d fp16, 8 6-bit scales (2 + 4 bytes),    q8       per 32: (d·(sc_j - 32))·v[q_i]
+                128 bytes of nibbles
+
+Q2_K and Q3_K codes held as int8 take 3-4× their file's bytes, and IQ4's twice: exact, not small.
 
 A projection fused from tensors of different types (q|k|v, gate|up) is carried as q8x16_min: int8 codes
 with a scale and a minimum per 16 inputs, which holds every type above exactly (`Blocks.halves_with_mins`).
 
-A K-quant's products d·sc_j and dmin·m_j are exact in float32 (an fp16 times a 6- or 8-bit integer), so its
+A K-quant's (and IQ4_XS's) products d·sc_j and dmin·m_j are exact in float32 (an fp16 times a 6- or 8-bit integer), so its
 sub-blocks are blocks of the formats above with float32 scales and minimums, and `Blocks.dense()` is bitwise
 what gguf-py (and transformers with it) dequantizes. `q8x16` is an int8 block of 32 inputs with a scale for
 each half (Q6_K's 16-input sub-blocks); `q8_min` an int8 block with a minimum (5-bit codes with one).
@@ -192,6 +201,48 @@ def _q5_k(raw: np.ndarray, n: int, k: int) -> Blocks:
     return Blocks("q8_min", k, q, (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1))
 
 
+def _q3_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """Per 128 inputs, 32 bytes of 2-bit codes (input 32·s + i: bits 2s of byte i) and, for all 256, 32 bytes
+    of high bits (input 32·b + i: bit b of byte i; a clear bit subtracts 4)."""
+    low = (raw[..., 32:96].reshape(n, -1, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    high = (raw[..., 0:32].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    q = low.reshape(n, -1, 256).astype(np.int8) - ((high.reshape(n, -1, 256) ^ 1) << 2).astype(np.int8)
+    lo, hi = raw[..., 96:104], raw[..., 104:108]  # scale j: nibble j // 8 of byte j % 8, 2 bits of byte 8 + j % 4
+    sc = np.concatenate([lo & 15, lo >> 4], axis=-1) | (
+        ((hi[..., None, :] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3).reshape(n, -1, 16) << 4)
+    scales = _fp16(raw[..., 108:110])[..., None] * (sc.astype(np.float32) - np.float32(32))
+    return Blocks("q8x16", k, q.reshape(n, -1, BLOCK), scales.reshape(n, -1, 2))
+
+
+def _q2_k(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """Per 128 inputs, 32 bytes of 2-bit codes (input 32·s + i: bits 2s of byte i); sub-block j's scale in
+    the low nibble of byte j, its minimum in the high one."""
+    q = (raw[..., 16:80].reshape(n, -1, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    sc, d, dmin = raw[..., 0:16], _fp16(raw[..., 80:82])[..., None], _fp16(raw[..., 82:84])[..., None]
+    return Blocks("q8x16_min", k, q.astype(np.int8).reshape(n, -1, BLOCK),
+                  (d * (sc & 15).astype(np.float32)).reshape(n, -1, 2),
+                  (-(dmin * (sc >> 4).astype(np.float32))).reshape(n, -1, 2))
+
+
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _iq4_nl(raw: np.ndarray, n: int, k: int) -> Blocks:
+    body = raw[..., 2:]  # inputs 0..15 in the low nibbles, 16..31 in the high ones
+    return Blocks("q8", k, IQ4_LEVELS[np.concatenate([body & 15, body >> 4], axis=-1)], _fp16(raw[..., 0:2]))
+
+
+def _iq4_xs(raw: np.ndarray, n: int, k: int) -> Blocks:
+    """Sub-block j's 6-bit scale: the nibble j % 2 of byte 4 + j // 2, and bits 2j of the uint16 at byte 2."""
+    lo = raw[..., 4:8]
+    low = np.stack([lo & 15, lo >> 4], axis=-1).reshape(n, -1, 8)
+    high = (raw[..., 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - np.float32(32)
+    body = raw[..., 8:].reshape(n, -1, 8, 16)  # sub-block j: 16 bytes, inputs 0..15 low nibbles, 16..31 high
+    q = IQ4_LEVELS[np.concatenate([body & 15, body >> 4], axis=-1)]
+    return Blocks("q8", k, q.reshape(n, -1, BLOCK), (_fp16(raw[..., 0:2])[..., None] * sc).reshape(n, -1))
+
+
 @dataclass(frozen=True)
 class GGMLType:
     format: str
@@ -209,6 +260,10 @@ TYPES = {
     "Q6_K": GGMLType("q8x16", 256, 210, _q6_k),
     "Q5_1": GGMLType("q8_min", 32, 24, _q5_1),
     "Q5_K": GGMLType("q8_min", 256, 176, _q5_k),
+    "Q3_K": GGMLType("q8x16", 256, 110, _q3_k),
+    "Q2_K": GGMLType("q8x16_min", 256, 84, _q2_k),
+    "IQ4_NL": GGMLType("q8", 32, 18, _iq4_nl),
+    "IQ4_XS": GGMLType("q8", 256, 136, _iq4_xs),
 }
 
 

@@ -161,8 +161,8 @@ def eventually(probe, timeout: float = 30.0, every: float = 0.01):
 
 
 def raw_k_blocks(rng, kind: str, rows: int, k: int, scale: float = 0.01):
-    """Random GGUF `kind` super-blocks for `rows` rows of `k` inputs, as the bytes a file holds: any bytes
-    are a valid K-quant block but for its fp16 factors (d, and Q4_K's and Q5_K's dmin), drawn in
+    """Random GGUF `kind` blocks (a K-quant's or IQ4's) for `rows` rows of `k` inputs, as the bytes a file holds:
+    any bytes are a valid block but for its fp16 factors (d, and Q2_K's, Q4_K's and Q5_K's dmin), drawn in
     [scale/100, scale]."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES
@@ -170,18 +170,21 @@ def raw_k_blocks(rng, kind: str, rows: int, k: int, scale: float = 0.01):
 
     inputs, size = GGML_QUANT_SIZES[T[kind]]
     raw = rng.integers(0, 256, (rows, k // inputs, size), dtype=np.uint8)
-    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}[kind]:
+    for off in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
+                "IQ4_NL": (0,), "IQ4_XS": (0,)}[kind]:
         d = (rng.random(raw.shape[:2]) * 0.99 * scale + scale / 100).astype(np.float16)
         raw[..., off:off + 2] = d[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K") -> Path:
+def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K", layer1: str | None = None,
+                 table: str = "Q6_K") -> Path:
     """A 2-layer Llama GGUF typed as llama.cpp's Q4_K_M types one (`main` Q5_1: its 5-bit blocks with a minimum,
     quantized by gguf-py from normal weights, where random K-quant bytes would be far off centre): `main`
     projections, Q6_K embedding (tied head) and Q6_K attn_v / ffn_down in layer 0 (`main` in layer 1), random
     blocks; the metadata and tokenizer of the GGUF at `source` (hidden 256, 4 heads of 64, 2 KV heads, ffn 512:
-    whole 256-input super-blocks)."""
+    whole 256-input super-blocks). `layer1` types layer 1's projections in place of `main`, `table` the embedding.
+    """
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as T
@@ -205,15 +208,17 @@ def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K") ->
         if kind == "Q5_1":  # a legacy type gguf-py quantizes: blocks of real (centered) weights
             raw = quants.quantize((rng.standard_normal((rows, k)) * 0.05).astype(np.float32), T[kind])
         else:
-            raw = raw_k_blocks(rng, kind, rows, k, 3e-4 if kind == "Q4_K" else 1e-4 if name.startswith("token") else 3e-5)
+            low = {"Q4_K": 3e-4, "Q3_K": 1e-3, "Q2_K": 1e-3}  # d that gives weights of ~0.01-0.1, as Q6_K's 3e-5
+            raw = raw_k_blocks(rng, kind, rows, k, 1e-4 if name.startswith("token") else low.get(kind, 3e-5))
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
 
-    quant("token_embd.weight", "Q6_K", vocab, h)
+    quant("token_embd.weight", table, vocab, h)
     for i in range(2):
-        six = "Q6_K" if i == 0 else main
-        for short, rows, k, kind in (("attn_q", h, h, main), ("attn_k", 128, h, main), ("attn_v", 128, h, six),
-                                     ("attn_output", h, h, main), ("ffn_gate", ffn, h, main),
-                                     ("ffn_up", ffn, h, main), ("ffn_down", h, ffn, six)):
+        own = main if i == 0 else layer1 or main
+        six = "Q6_K" if i == 0 else own
+        for short, rows, k, kind in (("attn_q", h, h, own), ("attn_k", 128, h, own), ("attn_v", 128, h, six),
+                                     ("attn_output", h, h, own), ("ffn_gate", ffn, h, own),
+                                     ("ffn_up", ffn, h, own), ("ffn_down", h, ffn, six)):
             quant(f"blk.{i}.{short}.weight", kind, rows, k)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))

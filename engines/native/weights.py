@@ -33,8 +33,8 @@ class Linear:
     scales: np.ndarray  # float32 [N, blocks]; q8x16, q8x16_min: [N, blocks, 2] (inputs 0..15, 16..31)
     bias: np.ndarray | None = None
     # q4: d·(q - 8); q4_min: d·q + m; q8: d·q; q8x16: d·q with a d per half block; q8_min: d·q + m (GGUF's
-    # Q4_0, Q4_1 and Q4_K, Q8_0, Q6_K, Q5_1 and Q5_K blocks); q8x16_min: d·q + m per half block (a projection
-    # fused from rows of several of those types)
+    # Q4_0, Q4_1 and Q4_K, Q8_0 and IQ4, Q6_K and Q3_K, Q5_1 and Q5_K blocks); q8x16_min: d·q + m per half block
+    # (Q2_K, or a projection fused from rows of several of those types)
     format: str = "q4"
     mins: np.ndarray | None = None  # q4_min, q8_min: float32 [N, blocks]; q8x16_min: [N, blocks, 2]
 
