@@ -255,6 +255,11 @@ def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | No
     folders = resolve_drafters(opts.drafters)
     if opts.quantize:
         quantize.scheme(opts.quantize)  # a bad name fails before any weight is loaded
+    source = Path(model.source if isinstance(model, LoadedModel) else model)
+    if opts.quantize == "int4" and not opts.requantize and source.suffix.lower() == ".gguf":
+        from specrt.export.gguf_blocks import refuse_requantizing
+
+        refuse_requantizing(source)  # int4 of a GGUF is its own blocks, or a refusal that names what is not
     with tqdm(total=5, desc="specrt export", unit="step", disable=not opts.progress) as steps:
         steps.set_postfix_str("loading weights")
         target = model if isinstance(model, LoadedModel) else load_model(model, keep_hf=False)

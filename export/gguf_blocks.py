@@ -273,6 +273,26 @@ def _parse(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     return t.parse(raw, n, k)
 
 
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # quantized by an int4 export, not quantized again
+REQUANTIZE = "export with --requantize to quantize them again into int4 blocks (lossy: docs/quality.md)"
+
+
+def refuse_requantizing(path: Path) -> None:
+    """Refuse, before anything is loaded, a GGUF whose quantized blocks an int4 export could not carry as they
+    are (a type outside TYPES, or an architecture whose rows are not mapped here), naming them and the fix."""
+    g = GGUFBlocks(path)
+    quantized = {name: g.type_of(name) for name in g.tensors if g.type_of(name) not in FLOAT_TYPES}
+    arch = g.field("general.architecture")
+    if quantized and arch != "llama":
+        raise SpecrtError(f"{g.path}: quantized blocks are carried as they are only from llama-architecture GGUF "
+                          f"files, and this one is {arch}; {REQUANTIZE}")
+    other = {name: kind for name, kind in quantized.items() if kind not in TYPES}
+    if other:
+        shown = ", ".join(f"{name} ({kind})" for name, kind in list(other.items())[:3])
+        raise SpecrtError(f"{g.path}: {len(other)} tensors are of types specrt cannot carry exactly: {shown}"
+                          f"{', ...' if len(other) > 3 else ''}; it carries {', '.join(TYPES)}; {REQUANTIZE}")
+
+
 def rotary_rows(n_rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's q/k permutation for `heads` heads (transformers'
     `_reverse_permute_weights` applied to row indices)."""

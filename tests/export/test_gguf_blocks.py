@@ -82,6 +82,47 @@ def test_each_type_parses_as_gguf_py_dequantizes_it_and_others_are_refused(tmp_p
         g.read("t.IQ3_XXS")
 
 
+def _gguf(path, arch: str, tensors: dict):
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (kind, raw) in tensors.items():
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_int4_export_refuses_blocks_it_would_quantize_again(tmp_path):
+    """int4 of a GGUF is the file's own blocks: a type it cannot carry exactly, or a quantized file of an
+    architecture whose rows it does not map, is refused by name before anything is loaded or written, with the fix;
+    float tensors (quantized once, not again) and carried types pass."""
+    from specrt.export.bundle import ExportOptions, export_bundle
+    from specrt.export.gguf_blocks import refuse_requantizing
+
+    rng = np.random.default_rng(0)
+    q4k = raw_k_blocks(rng, "Q4_K", 4, 256)
+    iq2 = rng.integers(0, 256, (4, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes a block of 256
+    norm = ("F32", np.ones(256, np.float32).view(np.uint8))
+    fine = _gguf(tmp_path / "fine.gguf", "llama", {"blk.0.attn_q.weight": ("Q4_K", q4k), "blk.0.attn_norm.weight": norm})
+    refuse_requantizing(fine)
+    for name, arch, tensors, needles in (
+            ("iq2.gguf", "llama", {"blk.0.attn_q.weight": ("Q4_K", q4k), "blk.0.attn_k.weight": ("IQ2_XXS", iq2),
+                                   "blk.0.attn_norm.weight": norm},
+             ("1 tensors are of types specrt cannot carry exactly: blk.0.attn_k.weight (IQ2_XXS); it carries Q4_0",
+              "IQ4_XS; export with --requantize")),
+            ("qwen.gguf", "qwen2", {"blk.0.attn_q.weight": ("Q4_K", q4k)},
+             ("only from llama-architecture GGUF files, and this one is qwen2; export with --requantize",))):
+        path, out = _gguf(tmp_path / name, arch, tensors), tmp_path / f"out-{arch}"
+        with pytest.raises(SpecrtError) as e:
+            export_bundle(path, out, ExportOptions(quantize="int4", progress=False))
+        assert all(n in str(e.value) for n in (str(path), *needles)), str(e.value)
+        assert not out.exists()
+
+
 def _rows(blocks: Blocks, x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ blocks.dense().astype(np.float64).T
 
