@@ -347,15 +347,15 @@ def test_2_and_3_bit_and_iq4_blocks_are_carried_as_they_are(low_bits):
     assert w.head.format == "q8" and np.array_equal(w.head.q, table.q) and np.array_equal(w.head.scales, table.scales)
 
 
-@pytest.mark.parametrize("backend", ["native", "ort"])
-def test_a_2_and_3_bit_bundle_computes_its_source_model(low_bits, backend):
+def test_a_2_and_3_bit_bundle_computes_its_source_model(low_bits):
     """As the Q4_K_M bundle below: teacher-forced against the fp32 model of the file's values. Measured on the AMX
     Xeon: KL 0.00013 native / 0.0001 ort, top-1 0.995 / 1.0; with the 2- and 3-bit blocks quantized again into
-    fitted int4 (before): KL 0.0097 / 0.0095, top-1 0.92 both, which the bounds refuse."""
+    fitted int4 (before): KL 0.0097 / 0.0095, top-1 0.92 both, which the bounds refuse. (ONNX Runtime's path for
+    these formats is the Q4_K_M bundle's, tested below on both backends.)"""
     from specrt.tools.quality import quality_check
 
-    r = quality_check(low_bits[2], prompts=3, tokens=16, backend=backend)
-    assert r["backend"] == backend and r["positions"] > 200
+    r = quality_check(low_bits[2], prompts=3, tokens=16, backend="native")
+    assert r["backend"] == "native" and r["positions"] > 200
     assert r["ratio"] <= 1.015 and r["kl"] <= 0.003 and r["top1_agreement"] >= 0.97, r
 
 
