@@ -250,7 +250,13 @@ def load_drafters(target: LoadedModel, folders: list[tuple[str, Path]]) -> dict:
 
 def export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions | None = None) -> Manifest:
     """Export `model` (a path, or an already loaded model) and its draft into the bundle folder `out`."""
-    opts = opts or ExportOptions()
+    from specrt.export.gguf_once import gguf_parsed_once
+
+    with gguf_parsed_once():  # a .gguf's header parsed once for its load, its types' check and its blocks' read
+        return _export_bundle(model, out, opts or ExportOptions())
+
+
+def _export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions) -> Manifest:
     out = Path(out).resolve()
     folders = resolve_drafters(opts.drafters)
     if opts.quantize:

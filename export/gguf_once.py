@@ -8,7 +8,9 @@ is built, so within `gguf_parsed_once()` each is built once: the reader and the 
 metadata (`load_gguf_checkpoint(path)` without tensors) handed out as a fresh copy each time, since
 transformers edits the dicts it gets. transformers imports these names inside its functions, so swapping the
 modules' attributes for the span of the load is what it sees; they are restored on exit. The model loaded is
-the same, value for value (tests/export/test_gguf_once.py).
+the same, value for value (tests/export/test_gguf_once.py). An export holds it around its load, its check of
+the file's types and its read of the file's blocks (export/gguf_blocks.py), so all of them share one parse;
+inside it, a nested `gguf_parsed_once()` changes nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()  # one load swaps the attributes at a time
+_held = threading.local()  # this thread is inside gguf_parsed_once (an export around its load): nested, a no-op
 
 
 @contextlib.contextmanager
@@ -31,7 +34,11 @@ def gguf_parsed_once() -> Iterator[None]:
     except ImportError:  # transformers then reports the missing package itself
         yield
         return
+    if getattr(_held, "active", False):
+        yield
+        return
     with _lock:
+        _held.active = True
         reader, name_map, checkpoint = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
         readers: dict[tuple, object] = {}
         metadata: dict[tuple, dict] = {}
@@ -59,3 +66,4 @@ def gguf_parsed_once() -> Iterator[None]:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, checkpoint
+            _held.active = False

@@ -65,3 +65,17 @@ def test_metadata_is_handed_out_as_a_fresh_copy(tiny_gguf):
         first["config"]["edited"] = True  # transformers edits the dicts it is given
         second = hf_gguf.load_gguf_checkpoint(str(tiny_gguf), return_tensors=False)
     assert "edited" not in second["config"] and second["tokenizer"] == first["tokenizer"]
+
+
+def test_an_export_s_check_load_and_block_read_share_one_parse(tiny_gguf, monkeypatch):
+    """export_bundle holds gguf_parsed_once around its type check, the load (whose own context, nested, changes
+    nothing) and the block reader: one parse of the file's header for all of them."""
+    from specrt.export.gguf_blocks import GGUFBlocks, refuse_requantizing
+
+    built = _counting_reader(monkeypatch)
+    with once.gguf_parsed_once():
+        refuse_requantizing(tiny_gguf)
+        with once.gguf_parsed_once():
+            hf_gguf.load_gguf_checkpoint(str(tiny_gguf), return_tensors=False)
+        assert GGUFBlocks(tiny_gguf).type_of("blk.1.attn_q.weight") == "Q5_1"
+    assert built == [str(tiny_gguf)]  # the block reader, after the nested exit, still had the outer one's reader
