@@ -34,7 +34,9 @@ from specrt.errors import SpecrtError
 SENTINEL = "\u2063MAGPIE-USER-TURN\u2063"
 SYSTEMS = (None, "You are a helpful assistant.", "You are a patient teacher who explains things step by step.",
            "You are an expert programmer.", "You are a maths tutor.", "You are a creative writing assistant.",
-           "You are a concise assistant: answer in a few sentences.", "You are a knowledgeable science guide.")
+           "You are a concise assistant: answer in a few sentences.", "You are a knowledgeable science guide.",
+           "You are an editor: you rewrite, shorten and correct the texts people give you.",
+           "You are an assistant who answers with clear lists and steps.")
 TEMPERATURES = (0.7, 0.85, 1.0)
 MIN_WORDS = 4
 MARKUP = re.compile(r"<\|[^|]*\|>|<s>|</s>|\[INST\]")
