@@ -131,7 +131,7 @@ def test_the_store_resumes_extends_and_reads_back(real_model, prompts, tmp_path,
     prompt = encode(real_model, prompts[2]["prompt"])
     assert data.fetch("tokens", i)[: len(prompt)].tolist() == prompt and int(data.prompt_lens[i]) == len(prompt)
     assert data.fetch("hidden", i).dtype == torch.float16 and data.fetch("aux", i).shape[1] == 3 * 576
-    with pytest.raises(SpecrtError, match="other settings"):
+    with pytest.raises(SpecrtError, match=r"other settings \(max_new_tokens 16 → 32\); remove it"):
         build_store(real_model, prompts, root, 120, 32, TAPS, slots=2, progress=False)
 
 
