@@ -202,11 +202,16 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
     return record
 
 
+def carries_file_blocks(source: Path, opts: ExportOptions) -> bool:
+    """Does this export carry the model file's own blocks: int4 of a GGUF, not --requantize?"""
+    return opts.quantize == "int4" and not opts.requantize and source.suffix.lower() == ".gguf"
+
+
 def model_file_blocks(target: LoadedModel, opts: ExportOptions, draft_is_copy: bool) -> dict:
     """Per role, the GGUF's own blocks by graph weight name, when int4 is asked of a GGUF target (and not
     --requantize): the target's, and the truncated draft's (the target's first layers, under the same names)."""
     source = Path(target.source)
-    if opts.quantize != "int4" or opts.requantize or source.suffix.lower() != ".gguf":
+    if not carries_file_blocks(source, opts):
         return {}
     from specrt.export.gguf_blocks import HEAD_WEIGHTS, projection_blocks
 
@@ -262,7 +267,7 @@ def _export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions) ->
     if opts.quantize:
         quantize.scheme(opts.quantize)  # a bad name fails before any weight is loaded
     source = Path(model.source if isinstance(model, LoadedModel) else model)
-    if opts.quantize == "int4" and not opts.requantize and source.suffix.lower() == ".gguf":
+    if carries_file_blocks(source, opts):
         from specrt.export.gguf_blocks import refuse_requantizing
 
         refuse_requantizing(source)  # int4 of a GGUF is its own blocks, or a refusal that names what is not

@@ -273,6 +273,7 @@ def _parse(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     return t.parse(raw, n, k)
 
 
+MAPPED_ARCH = "llama"  # the one GGUF architecture whose rows (q/k permutation, tensor names) are mapped here
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # quantized by an int4 export, not quantized again
 REQUANTIZE = "export with --requantize to quantize them again into int4 blocks (lossy: docs/quality.md)"
 
@@ -281,9 +282,9 @@ def refuse_requantizing(path: Path) -> None:
     """Refuse, before anything is loaded, a GGUF whose quantized blocks an int4 export could not carry as they
     are (a type outside TYPES, or an architecture whose rows are not mapped here), naming them and the fix."""
     g = GGUFBlocks(path)
-    quantized = {name: g.type_of(name) for name in g.tensors if g.type_of(name) not in FLOAT_TYPES}
+    quantized = {name: kind for name in g.tensors if (kind := g.type_of(name)) not in FLOAT_TYPES}
     arch = g.field("general.architecture")
-    if quantized and arch != "llama":
+    if quantized and arch != MAPPED_ARCH:
         raise SpecrtError(f"{g.path}: quantized blocks are carried as they are only from llama-architecture GGUF "
                           f"files, and this one is {arch}; {REQUANTIZE}")
     other = {name: kind for name, kind in quantized.items() if kind not in TYPES}
@@ -353,7 +354,7 @@ def projection_blocks(path: Path, cfg) -> dict[str, Blocks]:
     folds it (1/√d into q). Only a llama-architecture GGUF is mapped (its q/k row order is the one undone
     here); {} otherwise, and for any projection whose tensors are not all of TYPES (quantized again)."""
     g = GGUFBlocks(path)
-    if g.field("general.architecture") != "llama" or cfg.qk_norm:
+    if g.field("general.architecture") != MAPPED_ARCH or cfg.qk_norm:
         return {}
     out = {}
     nh, kvh = cfg.num_heads, cfg.num_kv_heads

@@ -44,10 +44,10 @@ def _quantize(source: Path, kind: str, dst: Path) -> None:
 
 def _census(path: Path) -> dict:
     """The file's tensor types, as the share of its weights each holds."""
-    from gguf import GGUFReader
+    from specrt.export.gguf_blocks import GGUFBlocks
 
     counts = Counter()
-    for t in GGUFReader(str(path)).tensors:
+    for t in GGUFBlocks(path).tensors.values():
         counts[t.tensor_type.name] += int(t.n_elements)
     total = sum(counts.values())
     return {k: round(v / total, 3) for k, v in counts.most_common()}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specrt.errors import SpecrtError
+from specrt.errors import SpecrtError, changes
 
 STATE_SUFFIX = ".train-state"
 TENSORS, META = "state.safetensors", "state.json"
@@ -110,9 +110,7 @@ def load_run(out: Path, module, opt: torch.optim.Optimizer, rng: torch.Generator
         run = RunState(**meta["run"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise SpecrtError(f"{folder / META} is damaged ({type(e).__name__}): remove {folder} and start again") from None
-    changed = {k: (meta["settings"].get(k), settings[k]) for k in FIXED if meta["settings"].get(k) != settings[k]}
-    if changed:
-        said = ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changed.items())
+    if said := changes(meta["settings"], settings, FIXED):
         raise SpecrtError(f"--resume: the run in {folder} was started with other settings ({said}): use the "
                           "same ones, or train into another -o folder")
     check_safetensors(folder / TENSORS, f"remove {folder} and start again")

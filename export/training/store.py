@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.errors import SpecrtError
+from specrt.errors import SpecrtError, changes
 from specrt.export.training.store_format import FIELDS, SHARD_NAME, VERSION, check_store
 
 
@@ -42,9 +42,7 @@ class ShardWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         meta = check_store(self.root)  # a damaged store is refused before anything is added to it
         if meta is not None and meta["key"] != key:
-            said = ", ".join(f"{k} {meta['key'].get(k)!r} → {key.get(k)!r}" for k in sorted({*meta["key"], *key})
-                             if meta["key"].get(k) != key.get(k))
-            raise SpecrtError(f"{self.root} holds distillation data for other settings ({said}); "
+            raise SpecrtError(f"{self.root} holds distillation data for other settings ({changes(meta['key'], key)}); "
                               "remove it or choose another folder")
         if meta is None:  # written now: a shard renamed just before a stop is then unlisted, removed next run
             meta = {"version": VERSION, "key": key, "taps": list(taps), "shards": []}

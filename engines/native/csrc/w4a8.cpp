@@ -304,9 +304,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
 constexpr int kAmxRows = 16;  // rows of a tile at most
 // The fewest rows a call runs on tiles: 16 unless SPECRT_AMX_MIN_ROWS (2-16) asks for fewer, when a call of
 // that many to 15 rows runs tiles of exactly its rows (the integer sums are exact either way, so every row
-// stays bitwise tile_vnni's). Whether small calls gain is not measured yet (docs/performance.md, "AMX"): the
-// variable lets the suite hold those tiles to the reference and a benchmark time them; one row always stays
-// on tile_vnni.
+// stays bitwise tile_vnni's). They were no faster at 2-8 rows on the AMX Xeon measured (docs/performance.md,
+// "Tiles of fewer than 16 rows"), hence the default; the variable lets the suite hold those tiles to the
+// reference and a benchmark time them on other machines. One row always stays on tile_vnni.
 int amx_min_rows() {
   static const int rows = [] {
     const char* s = std::getenv("SPECRT_AMX_MIN_ROWS");
