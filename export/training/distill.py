@@ -4,7 +4,8 @@ Jobs, in order: every held-out prompt once, greedy (the evaluation set); then ro
 training prompts, round 0 greedy and each later round sampled at `temperature` with a seed of its
 own, so one prompt yields several distinct answers. Job ids are "ROUND:PROMPT_ID": a rerun skips
 the jobs the store already holds and goes on where the last run stopped, and a larger budget
-extends the same store. Prompts come from the shipped corpus or the user's JSONL; the held-out
+extends the same store. A grown corpus extends it too: its new prompts are answered first (round 0
+is the first round with jobs left). Prompts come from the shipped corpus or the user's JSONL; the held-out
 split is never trained on.
 """
 
@@ -23,19 +24,46 @@ from specrt.export.loading import LoadedModel
 from specrt.export.training.answers import MAX_PROMPT, Job, answer_jobs, quantized
 from specrt.export.training.datagen import encode
 from specrt.export.training.precision import aten_dispatch, engine_in_use, quant_engine
-from specrt.export.training.store import MappedData, ShardWriter
+from specrt.export.training.store import MappedData, ShardWriter, forget_whole_list_key
+from specrt.export.training.store_format import check_store
 
 SHARD_ROWS = 16_384
 
 
-def store_key(loaded: LoadedModel, prompts: list[dict], max_new_tokens: int, taps, temperature: float,
-              precision: str) -> dict:
-    """What the store's data depends on (a store built with other settings is refused)."""
+def store_key(loaded: LoadedModel, max_new_tokens: int, taps, temperature: float, precision: str) -> dict:
+    """What every answer in the store depends on (a store built with other settings is refused). The
+    prompts are not in it: the store keeps a digest per prompt id (`prompt_digests`), so it can grow."""
     src = Path(loaded.source)
     stat = f"{src.resolve()}:{src.stat().st_size}" if src.exists() else str(loaded.source)
-    digest = hashlib.sha256("\n".join(f"{p['split']}\t{p['prompt']}" for p in prompts).encode()).hexdigest()[:16]
-    return {"source": stat, "prompts": digest, "max_new_tokens": max_new_tokens, "taps": list(taps),
-            "temperature": temperature, "precision": precision}
+    return {"source": stat, "max_new_tokens": max_new_tokens, "taps": list(taps), "temperature": temperature,
+            "precision": precision}
+
+
+def _prompt_text(p: dict) -> str:
+    return f"{p['split']}\t{p['prompt']}"
+
+
+def prompt_digests(prompts: list[dict]) -> dict[str, str]:
+    """Prompt id -> a digest of what its answers depend on (its text) and how they are used (its split)."""
+    return {p["id"]: hashlib.sha256(_prompt_text(p).encode()).hexdigest()[:16] for p in prompts}
+
+
+def upgrade_whole_list_key(root: Path, prompts: list[dict]) -> None:
+    """A store written before stores could grow is keyed by one digest of its whole prompt list. If that
+    list is `prompts`, or the part of it the store has answered, record per-id digests instead (it
+    can grow from then on); otherwise refuse, saying how to upgrade it."""
+    meta = check_store(root)
+    old = None if meta is None else meta["key"].get("prompts")
+    if not isinstance(old, str):
+        return
+    answered = {job.split(":", 1)[1] for s in meta["shards"] for job in s["jobs"]}
+    for rows in (prompts, [p for p in prompts if p["id"] in answered]):
+        if hashlib.sha256("\n".join(map(_prompt_text, rows)).encode()).hexdigest()[:16] == old:
+            forget_whole_list_key(root, meta, prompt_digests(rows))
+            return
+    raise SpecrtError(f"{root} was written by an earlier specrt for one whole prompt list, and these prompts are "
+                      "neither that list nor contain it: run specrt distill once with the --prompts it was built "
+                      "from (that lets it grow), then with the new ones; or choose another --store")
 
 
 def default_store(cache_dir: Path, key: dict) -> Path:
@@ -67,7 +95,7 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
     its states are the features (the store's key names the graph, as a `featurize_store` store's does)."""
     engine, engine_record = quant_engine(engine)  # a bad engine fails before the store is touched
     branches = {"aten_dispatch": aten_dispatch(), **({"quant_engine": engine_record} if precision == "int8" else {})}
-    key = store_key(loaded, prompts, max_new_tokens, taps, temperature, precision)
+    key = store_key(loaded, max_new_tokens, taps, temperature, precision)
     passes = None
     if precision == "native":
         if bundle is None:
@@ -77,7 +105,8 @@ def build_store(loaded: LoadedModel, prompts: list[dict], root: Path, tokens: in
         passes = NativePasses(bundle, slots, MAX_PROMPT + max_new_tokens + 1, taps, threads)
         key["features"] = {"graph": "target", "sha256": passes.sha256}
         branches = {"native_kernel": passes.decoder.kernel_record}
-    writer = ShardWriter(root, taps, key)
+    upgrade_whole_list_key(Path(root), prompts)
+    writer = ShardWriter(root, taps, key, prompt_digests(prompts))
     have = writer.answer_tokens
     heldout_ids = {p["id"] for p in prompts if p["split"] == "heldout"}
     missing_heldout = any(f"0:{i}" not in writer.done_jobs for i in heldout_ids)

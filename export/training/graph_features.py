@@ -30,8 +30,8 @@ from tqdm import tqdm
 from specrt.errors import SpecrtError
 from specrt.export.training.datagen import _top
 from specrt.export.training.distill import SHARD_ROWS
-from specrt.export.training.store import MappedData, ShardWriter
-from specrt.export.training.store_format import read_meta
+from specrt.export.training.store import MappedData, ShardWriter, forget_whole_list_key
+from specrt.export.training.store_format import check_store, read_meta
 
 AUX = "store_aux_hidden_states"  # the store's taps; not the graph's own aux_hidden_states, whose taps may differ
 # the node whose first input is layer i's input (export/decoder_graph.py names it so)
@@ -112,7 +112,10 @@ def featurize_store(src: Path, dst: Path, bundle: Path, threads: int | None = No
     cfg = manifest.graphs["target"].config
     digest = manifest.graphs["target"].sha256
     key = {**meta["key"], "features": {"graph": "target", "sha256": digest}}
-    writer = ShardWriter(dst, data.taps, key)
+    held = check_store(dst)
+    if held is not None and held["key"].get("prompts", 0) == meta.get("whole_list_digest"):
+        forget_whole_list_key(dst, held, meta["prompts"])  # made from the answer store before it could grow
+    writer = ShardWriter(dst, data.taps, key, meta.get("prompts"))
     done = writer.done_jobs
     jobs = [j for s in meta["shards"] for j in s["jobs"]]  # sequence i of the store is job jobs[i]
     todo = [i for i, j in enumerate(jobs) if j not in done]

@@ -1,7 +1,8 @@
 """A resumable, memory-mapped store of distillation data: the target's answers and its state at every
 position, written in shards as generation goes, read back without loading it into memory.
 
-    STORE/meta.json            taps, sizes, the shards in order, the job ids each one holds
+    STORE/meta.json            settings, taps, the shards in order, the job ids each one holds, and
+                               each prompt id's digest (its text and split)
     STORE/shard-00007/*.npy    tokens int32 [N] · hidden fp16 [N,H] · aux fp16 [N,A] · top_ids int32 [N,K]
                                top_p fp16 [N,K] · offsets int64 [S+1] · prompt_lens int64 [S] · heldout bool [S]
 
@@ -10,6 +11,8 @@ loses at most the shard it was filling (a partial folder, or a renamed one meta.
 the next run removes both), and the next run skips every job a listed shard holds. Before a store is
 extended or read, every listed shard is checked against meta.json (store_format.py): a damaged one is
 refused, named, never extended or trained on.
+A store grows with its prompt corpus: new prompt ids join it, while an id it has answered must keep its
+text and split (a changed one is refused by id: its stored answers would be another prompt's).
 `MappedData` is what training reads: the same interface as the in-memory `DistillData`, with each
 sequence's rows fetched from the shard files (np.load mmap) when a batch needs them.
 """
@@ -28,16 +31,26 @@ from specrt.errors import SpecrtError, changes
 from specrt.export.training.store_format import FIELDS, SHARD_NAME, VERSION, check_store
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    """Replace the file at `path` whole (a stop mid-write leaves the old one)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
 
 
+def forget_whole_list_key(root: Path, meta: dict, prompts: dict[str, str]) -> None:
+    """A store written before stores could grow is keyed by one digest of its whole prompt list: record
+    per-id digests of that list (`prompts`) instead, and the old digest for the stores derived from it."""
+    meta["key"] = dict(meta["key"])
+    meta["whole_list_digest"] = meta["key"].pop("prompts")
+    meta["prompts"] = prompts
+    write_json(Path(root) / "meta.json", meta)
+
+
 class ShardWriter:
     """Appends finished sequences to a store folder, one shard per `flush`."""
 
-    def __init__(self, root: Path, taps: tuple[int, ...], key: dict):
+    def __init__(self, root: Path, taps: tuple[int, ...], key: dict, prompts: dict[str, str] | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         meta = check_store(self.root)  # a damaged store is refused before anything is added to it
@@ -46,7 +59,7 @@ class ShardWriter:
                               "remove it or choose another folder")
         if meta is None:  # written now: a shard renamed just before a stop is then unlisted, removed next run
             meta = {"version": VERSION, "key": key, "taps": list(taps), "shards": []}
-            _write_json(self.root / "meta.json", meta)
+            write_json(self.root / "meta.json", meta)
         self.meta = meta
         listed = {s["name"] for s in self.meta["shards"]}
         for stale in self.root.glob(".shard-*"):  # a shard an interrupted run was writing
@@ -55,6 +68,22 @@ class ShardWriter:
             if unlisted.is_dir() and unlisted.name not in listed:
                 shutil.rmtree(unlisted, ignore_errors=True)
         self.pending: list[dict] = []
+        if prompts is not None:
+            self._take_prompts(prompts)
+
+    def _take_prompts(self, prompts: dict[str, str]) -> None:
+        """Record each prompt id's digest; refuse an id the store has answered whose digest changed."""
+        held = self.meta.get("prompts", {})
+        answered = {job.split(":", 1)[1] for job in self.done_jobs}
+        changed = sorted(i for i in answered if i in prompts and i in held and prompts[i] != held[i])
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise SpecrtError(f"{self.root} has answered prompt id(s) {', '.join(changed[:3])}{more} with another "
+                              "text or split: give a changed prompt a new id, or choose another --store")
+        merged = {**held, **prompts}
+        if merged != held:
+            self.meta["prompts"] = merged
+            write_json(self.root / "meta.json", self.meta)
 
     @property
     def done_jobs(self) -> set[str]:
@@ -89,7 +118,7 @@ class ShardWriter:
         self.meta["shards"].append({"name": name, "rows": int(sum(lens)), "answer_tokens": int(sum(answers)),
                                     "heldout_tokens": int(held),
                                     "jobs": [p["job"] for p in self.pending]})
-        _write_json(self.root / "meta.json", self.meta)
+        write_json(self.root / "meta.json", self.meta)
         self.pending = []
 
 

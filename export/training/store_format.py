@@ -48,6 +48,9 @@ def _meta_problem(meta) -> str | None:
         return f"has version {meta.get('version')!r}; this specrt reads version {VERSION}"
     if not isinstance(meta.get("key"), dict):
         return 'has no "key" object (the settings the data was made with)'
+    prompts = meta.get("prompts", {})
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        return 'has "prompts" that is not an object of prompt id -> digest'
     taps, shards = meta.get("taps"), meta.get("shards")
     if not isinstance(taps, list) or not all(isinstance(t, int) for t in taps):
         return f'has "taps" {taps!r}, not a list of layer indices'

@@ -88,7 +88,7 @@ def command(target, prompts, tokens, max_minutes, max_new_tokens, temperature, p
     rows = load_corpora(prompts)
     loaded = load_model(_target_source(target), keep_hf=False)
     taps = tuple(default_taps(loaded.module.cfg.num_layers))
-    root = store or default_store(train_cache_dir(), store_key(loaded, rows, max_new_tokens, taps, temperature, precision))
+    root = store or default_store(train_cache_dir(), store_key(loaded, max_new_tokens, taps, temperature, precision))
     summary = build_store(loaded, rows, root, tokens, max_new_tokens, taps, temperature, precision, slots, max_minutes,
                           engine=quant_engine, bundle=bundle, threads=threads or min(os.cpu_count() or 1, 2))
     runs = root / "runs.jsonl"

@@ -17,12 +17,15 @@ from specrt.export.training.store import MappedData
 TAPS = (2, 15, 27)
 
 
+def store_prompts(train: int = 2) -> list[dict]:
+    rows = load_prompts()
+    return [r for r in rows if r["split"] == "heldout"][:1] + [r for r in rows if r["split"] == "train"][:train]
+
+
 @pytest.fixture(scope="module")
 def answer_store(real_model, tmp_path_factory):
-    rows = load_prompts()
-    prompts = [r for r in rows if r["split"] == "heldout"][:1] + [r for r in rows if r["split"] == "train"][:2]
     root = tmp_path_factory.mktemp("answers") / "store"
-    build_store(real_model, prompts, root, 24, 12, TAPS, slots=2, progress=False)
+    build_store(real_model, store_prompts(), root, 24, 12, TAPS, slots=2, progress=False)
     return root
 
 
@@ -54,6 +57,32 @@ def test_graph_features_keep_the_answers_and_equal_the_targets_states(real_model
     again = featurize_store(answer_store, out, real_bundle, threads=2, progress=False)
     assert again["sequences"] == summary["sequences"] and len(json.loads((out / "meta.json").read_text())["shards"]) \
         == len(meta["shards"])  # resumable: nothing is made twice
+
+
+def test_a_features_store_from_before_stores_could_grow_follows_its_grown_answer_store(real_model, real_bundle,
+                                                                                        answer_store, tmp_path):
+    """Both stores keyed by one digest of the whole prompt list (an earlier specrt): the answer store is
+    upgraded by its own list, grows by a prompt, and featurizing extends the old features store."""
+    import hashlib
+    import shutil
+
+    src, out = tmp_path / "answers", tmp_path / "graph"
+    shutil.copytree(answer_store, src)
+    featurize_store(src, out, real_bundle, threads=2, progress=False)
+    text = "\n".join(f"{p['split']}\t{p['prompt']}" for p in store_prompts())
+    for root in (src, out):
+        meta = json.loads((root / "meta.json").read_text())
+        meta["key"]["prompts"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        del meta["prompts"]
+        (root / "meta.json").write_text(json.dumps(meta))
+    before = len(MappedData(out))
+    build_store(real_model, store_prompts(train=3), src, 36, 12, TAPS, slots=2, progress=False)
+    assert len(MappedData(src)) > before
+    featurize_store(src, out, real_bundle, threads=2, progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert "prompts" not in meta["key"] and meta["prompts"] == json.loads((src / "meta.json").read_text())["prompts"]
+    got, want = MappedData(out), MappedData(src)
+    assert len(got) == len(want) and got.heldout.tolist() == want.heldout.tolist()
 
 
 def test_the_answer_store_is_never_its_own_features_store(real_bundle, answer_store):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import specrt.export.training.distill as distill
 from specrt.errors import SpecrtError
-from specrt.export.training.distill import build_store, store_key
+from specrt.export.training.distill import build_store, prompt_digests, store_key
 from specrt.export.training.store import MappedData, ShardWriter
 
 TAPS, HIDDEN, TOPK, MAX_NEW = (0, 1), 8, 4, 6
@@ -42,14 +42,14 @@ def loaded(tmp_path):
 
 
 def key(loaded) -> dict:
-    return store_key(loaded, PROMPTS, MAX_NEW, TAPS, 0.8, "int8")
+    return store_key(loaded, MAX_NEW, TAPS, 0.8, "int8")
 
 
 @pytest.fixture
 def store(tmp_path, loaded) -> Path:
     """Two shards: the held-out answer and one training answer, then two more training answers."""
     root = tmp_path / "store"
-    writer = ShardWriter(root, TAPS, key(loaded))
+    writer = ShardWriter(root, TAPS, key(loaded), prompt_digests(PROMPTS))
     for shard, jobs in enumerate([["0:h0", "0:t0"], ["0:t1", "0:t2"]]):
         for j, job in enumerate(jobs):
             writer.add(job, fields(len(PROMPT_IDS) + 4, 10 * shard + j), len(PROMPT_IDS), job == "0:h0")
@@ -193,3 +193,65 @@ def test_no_meta_json_beside_shard_folders_is_refused_not_overwritten(store, loa
     with pytest.raises(SpecrtError, match=r"meta\.json is missing, yet shard folders are there"):
         build_store(loaded, PROMPTS, store, 12, MAX_NEW, TAPS, progress=False)
     assert (store / "shard-00000" / "tokens.npy").is_file()
+
+
+def test_a_grown_corpus_extends_the_store_its_new_prompts_first(store, loaded, fake_generation):
+    """New ids anywhere in the list (not only appended) join the store; round 0 answers them before any
+    later round, and every id the store answered keeps its jobs."""
+    new = [{"id": "n0", "split": "train", "prompt": "new 0"}, {"id": "h1", "split": "heldout", "prompt": "new held"}]
+    grown = PROMPTS[:2] + new + PROMPTS[2:]
+    build_store(loaded, grown, store, 20, MAX_NEW, TAPS, progress=False)
+    assert fake_generation == ["0:h1", "0:n0", "1:t0"]  # the new held-out prompt first, then new training ones
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["prompts"] == prompt_digests(grown)
+    assert MappedData(store).heldout.tolist() == [True, False, False, False, True, False, False]
+
+
+def test_an_answered_prompt_whose_text_or_split_changed_is_refused_by_id(store, loaded, fake_generation):
+    before = (store / "meta.json").read_text()
+    for changed in ({**PROMPTS[1], "prompt": "train zero, edited"}, {**PROMPTS[1], "split": "heldout"}):
+        rows = [PROMPTS[0], changed, *PROMPTS[2:]]
+        with pytest.raises(SpecrtError, match=r"has answered prompt id\(s\) t0 with another text or split: give a "
+                                              r"changed prompt a new id"):
+            build_store(loaded, rows, store, 100, MAX_NEW, TAPS, progress=False)
+    assert fake_generation == [] and (store / "meta.json").read_text() == before
+    unanswered = [*PROMPTS, {"id": "n0", "split": "train", "prompt": "new 0"}]
+    build_store(loaded, unanswered, store, 12, MAX_NEW, TAPS, progress=False)  # n0 recorded, not answered yet
+    unanswered[-1] = {**unanswered[-1], "prompt": "new 0, edited"}
+    build_store(loaded, unanswered, store, 12, MAX_NEW, TAPS, progress=False)  # so it may still change
+    assert json.loads((store / "meta.json").read_text())["prompts"]["n0"] == prompt_digests(unanswered)["n0"]
+
+
+def whole_list_store(store: Path, rows: list[dict]) -> None:
+    """The store as an earlier specrt keyed it: one digest of its whole prompt list, no per-id digests."""
+    import hashlib
+
+    meta = json.loads((store / "meta.json").read_text())
+    text = "\n".join(f"{p['split']}\t{p['prompt']}" for p in rows)
+    meta["key"]["prompts"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    del meta["prompts"]
+    (store / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("listed", ["the same list", "answered part"])
+def test_a_store_keyed_by_its_whole_prompt_list_is_upgraded_then_grows(store, loaded, fake_generation, listed):
+    old = PROMPTS + [{"id": "t3", "split": "train", "prompt": "train 3"}]  # t3 never answered
+    whole_list_store(store, PROMPTS if listed == "answered part" else old)
+    grown = [{"id": "n0", "split": "train", "prompt": "new 0"}, *old]
+    if listed == "the same list":  # upgraded by a run with its own list, then grown
+        build_store(loaded, old, store, 12, MAX_NEW, TAPS, progress=False)
+        assert fake_generation == []
+    build_store(loaded, grown, store, 20, MAX_NEW, TAPS, progress=False)
+    assert fake_generation == ["0:n0", "0:t3"]
+    meta = json.loads((store / "meta.json").read_text())
+    assert "prompts" not in meta["key"] and meta["prompts"] == prompt_digests(grown)
+
+
+def test_a_whole_list_store_for_other_prompts_is_refused_with_the_way_to_upgrade(store, loaded, fake_generation):
+    whole_list_store(store, PROMPTS)
+    before = (store / "meta.json").read_text()
+    other = [{**PROMPTS[0], "prompt": "another held out"}, *PROMPTS[1:]]
+    with pytest.raises(SpecrtError, match=r"written by an earlier specrt for one whole prompt list.*run specrt "
+                                          r"distill once with the --prompts it was built from"):
+        build_store(loaded, other, store, 100, MAX_NEW, TAPS, progress=False)
+    assert fake_generation == [] and (store / "meta.json").read_text() == before
