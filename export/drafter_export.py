@@ -99,14 +99,18 @@ def export_drafter(module, tmp: Path, target_cfg, source: str, check_parity: boo
 
 
 def trained_acceptance(source: str) -> dict:
-    """{"acceptance_by_depth": [a_1, ...]}: the held-out top-1 agreement by draft step that training recorded
-    in the drafter folder's metrics.json (the prior runtime/shapes.py sizes default drafts by); {} where
-    there is none (a public checkpoint, a random drafter)."""
+    """What training measured of the head on held-out data, from the drafter folder's metrics.json (what
+    runtime/shapes.py sizes default drafts by): "acceptance_by_depth" [a_1, ...], the top-1 agreement by
+    draft step, and "acceptance_top_k" [a@1, ..., a@k], the first step's agreement within its k best
+    candidates (where training counted it). {} where there is none (a public checkpoint, a random drafter)."""
     path = Path(source) / "metrics.json"
     try:
-        accs = json.loads(path.read_text())["final"]["top1_per_step"]
+        final = json.loads(path.read_text())["final"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    if not isinstance(accs, list) or not accs or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in accs):
-        return {}
-    return {"acceptance_by_depth": [round(float(a), 4) for a in accs]}
+    out = {}
+    for field, key in (("top1_per_step", "acceptance_by_depth"), ("first_step_top_k", "acceptance_top_k")):
+        accs = final.get(field) if isinstance(final, dict) else None
+        if isinstance(accs, list) and accs and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in accs):
+            out[key] = [round(float(a), 4) for a in accs]
+    return out if "acceptance_by_depth" in out else {}

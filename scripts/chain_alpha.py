@@ -5,7 +5,7 @@ compare on the same steps.
     python scripts/chain_alpha.py BUNDLE [--drafter eagle3] [--per-category 3] [--max-new-tokens 128]
 
 Runs the shipped held-out prompts (never trained on), greedy, native backend, in this process only (run each
-bundle in its own process to compare time). Prints one JSON line: α at depth 1 (accepted drafts / steps), the
+bundle in its own process to compare time). Prints one JSON line: α at depth 1 (accepted drafts / steps; also by prompt category), the
 propose and verify ms per step, tokens/s, and whether every answer equals plain decoding's.
 """
 
@@ -34,6 +34,7 @@ def main() -> None:
     plain = Generator(args.bundle, drafter="plain", max_seq_len=1024, backend="native", threads=args.threads)
     gen.generate_ids(gen.tokenizer.encode_prompt("Hello"), 8)  # warm
     steps = accepted = tokens = equal = 0
+    by_category: dict[str, list[int]] = {}
     propose = verify = seconds = 0.0
     for p in prompts:
         ids = gen.tokenizer.encode_prompt(p.prompt)
@@ -41,13 +42,16 @@ def main() -> None:
         r = gen.generate_ids(ids, args.max_new_tokens)
         seconds += time.perf_counter() - t0
         steps, accepted, tokens = steps + r.stats.steps, accepted + r.stats.accepted, tokens + len(r.token_ids)
+        cat = by_category.setdefault(p.category, [0, 0])
+        cat[0], cat[1] = cat[0] + r.stats.accepted, cat[1] + r.stats.steps
         propose += r.stats.stage_seconds["propose"]
         verify += r.stats.stage_seconds["verify"]
         equal += r.token_ids == plain.generate_ids(ids, args.max_new_tokens).token_ids
     print(json.dumps({"bundle": args.bundle, "drafter": args.drafter, "prompts": len(prompts), "steps": steps,
                       "alpha1": round(accepted / steps, 4), "propose_ms_per_step": round(1e3 * propose / steps, 3),
                       "verify_ms_per_step": round(1e3 * verify / steps, 3), "tokens_per_s": round(tokens / seconds, 1),
-                      "identical": f"{equal}/{len(prompts)}"}))
+                      "identical": f"{equal}/{len(prompts)}",
+                      "alpha1_by_category": {c: round(a / max(n, 1), 3) for c, (a, n) in sorted(by_category.items())}}))
 
 
 if __name__ == "__main__":

@@ -82,13 +82,19 @@ def lr_scale(step: int, total: int, seconds: float, limit_seconds: float, warmup
 
 @torch.no_grad()
 def evaluate(objective, data: DistillData, seqs: list[int], label_index, batch_seqs: int,
-             precision: str = "fp32") -> list[float]:
+             precision: str = "fp32") -> tuple[list[float], list[float]]:
+    """Held-out top-1 agreement per draft step, and at the first step the share of rows whose target token
+    is among the drafter's k best, k = 1..TOP_K (empty where the objective does not count it)."""
     totals: list[list[int]] = []
+    within: list[int] = []
     for i in range(0, len(seqs), batch_seqs):
         with autocast(precision):
             _, hits = objective(Batch(data, seqs[i : i + batch_seqs], label_index))
-        totals = [[a + h, b + n] for (a, b), (h, n) in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
-    return [h / max(n, 1) for h, n in totals]
+        totals = [[a + h[0], b + h[1]] for (a, b), h in zip(totals or [[0, 0]] * len(hits), hits, strict=True)]
+        if len(hits[0]) > 2:
+            within = [a + b for a, b in zip(within or [0] * len(hits[0][2]), hits[0][2], strict=True)]
+    first_rows = max(totals[0][1], 1) if totals else 1
+    return [h / max(n, 1) for h, n in totals], [w / first_rows for w in within]
 
 
 def data_taps(settings: TrainSettings, num_layers: int) -> tuple[int, ...]:
@@ -192,7 +198,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
                 module.eval()
                 accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
                 module.train()
-                point = _point(run, per_epoch, len(train_seqs), clock() - t0, loss, accs)
+                point = _point(run, per_epoch, len(train_seqs), clock() - t0, loss, *accs)
                 run.curve.append(point)
                 last_eval = clock()
                 bar.set_postfix(loss=f"{loss.item():.3f}", tau_est=point["tau_est"])
@@ -209,7 +215,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     module.eval()
     if not interrupted and (not run.curve or run.curve[-1]["step"] != run.step):  # the head as saved
         accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
-        run.curve.append(_point(run, per_epoch, len(train_seqs), clock() - t0, loss, accs))
+        run.curve.append(_point(run, per_epoch, len(train_seqs), clock() - t0, loss, *accs))
     save()
     metrics = json.loads((out / "metrics.json").read_text())
     if interrupted:
@@ -218,13 +224,15 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
 
 
 def _point(run: checkpoint.RunState, per_epoch: int, train_seqs: int, seconds: float, loss: torch.Tensor,
-           accs: list[float]) -> dict:
-    """One point of the curve: held-out top-1 per draft step against steps, tokens and sequences seen."""
+           accs: list[float], first_top_k: list[float]) -> dict:
+    """One point of the curve: held-out top-1 per draft step against steps, tokens and sequences seen (and
+    the first step's top-k agreement, where the objective counts it)."""
     return {"step": run.step, "epochs": round(run.step / per_epoch, 3), "tokens_seen": run.seen,
             "train_sequences": train_seqs, "seconds": round(seconds, 1),
             "train_tokens_per_second": round(run.seen / max(run.train_seconds, 1e-9), 1),
             "loss": round(loss.item(), 4) if run.step else None, "top1_per_step": [round(a, 4) for a in accs],
-            "tau_est": round(chain_tau(accs), 3)}
+            "tau_est": round(chain_tau(accs), 3),
+            **({"first_step_top_k": [round(a, 4) for a in first_top_k]} if first_top_k else {})}
 
 
 # what metrics.json keeps of a warm start's run (not its own warm start: the record stays one level deep)

@@ -56,9 +56,21 @@ def soft_ce(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, mask: torc
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
+TOP_K = 4  # how many of a draft step's best candidates top_hits counts the target's argmax among
+
+
 def top1_hits(logits: torch.Tensor, top: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
     """(rows where the drafter's argmax is the target's argmax `top`, rows) over `mask`."""
     return int(((logits.argmax(-1) == top) & mask).sum()), int(mask.sum())
+
+
+def top_hits(logits: torch.Tensor, top: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """`top1_hits`, and the rows where `top` is among the drafter's k best, k = 1..TOP_K: what a draft step
+    that proposes its k best candidates side by side (a tree's fan) would have accepted."""
+    best = logits.topk(min(TOP_K, logits.shape[-1]), -1).indices
+    found = ((best == top[..., None]).cumsum(-1) > 0) & mask[..., None]
+    within = tuple(int(n) for n in found.sum(tuple(range(found.dim() - 1))))
+    return within[0], int(mask.sum()), within
 
 
 def shift_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,7 +102,7 @@ class Objective:
         return self.head_weight
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """(loss, per-step (hits, rows))."""
+        """(loss, per-step (hits, rows)); a step's entry may add its top-k hits (`top_hits`)."""
         raise NotImplementedError
 
 
@@ -141,6 +153,6 @@ class FeatureObjective(Objective):
                 target = batch.hidden[:, 1 : rows + 1]
                 err = F.smooth_l1_loss(out.float(), target, reduction="none").mean(-1)
                 loss = loss + self.regress * (err * ok).sum() / ok.sum().clamp(min=1)
-            hits.append(top1_hits(logits, lab_top, ok & answer))
+            hits.append(top_hits(logits, lab_top, ok & answer) if s == 1 else top1_hits(logits, lab_top, ok & answer))
             prev = out
         return loss / self.steps, hits

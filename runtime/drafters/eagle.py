@@ -10,9 +10,11 @@ only), logits computed for the newest level only.
     eagle2   dynamic tree (EAGLE-2): expand the `beam` best nodes per depth by cumulative draft
              probability, keep the `tree_nodes` best of all candidates (greedy; with sampling the
              static tree is used, since value-based pruning of sampled children is not lossless).
-             Given neither, the drafter runs the chain runtime/shapes.py sizes to this machine's verify
-             costs and the head's acceptance (a CPU: one or two drafts), where the generator has a cost
-             curve (runtime/costs.py); else a tree of DEFAULT_TREE_NODES nodes, DEFAULT_BEAM wide
+             Given neither, the drafter runs the shape runtime/shapes.py sizes to this machine's verify
+             costs and the head's acceptance (a CPU: one or two drafts, the first step fanned to its two
+             or three best candidates where training counted how often they hold the target's token),
+             where the generator has a cost curve (runtime/costs.py); else a tree of DEFAULT_TREE_NODES
+             nodes, DEFAULT_BEAM wide
     eagle3   EAGLE-3 weights (fused low/mid/high target features, reduced vocabulary) with the
              EAGLE-2 dynamic tree
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.runtime.drafters import Drafter, DrafterContext, Proposal
 from specrt.runtime.drafters.features import FeatureLayer, TargetState
 from specrt.runtime.drafters.static_tree import expand_static
@@ -70,12 +73,21 @@ class EagleDrafter(Drafter):
         entry = ctx.manifest.drafter(self.kind, ctx.bundle)
         self.entry, self.shape = entry, ctx.tree
         self.beam = int(ctx.options.get("beam") or DEFAULT_BEAM)
+        self.fan = 1  # a chosen shape's first-step width (runtime/shapes.py)
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
         cfg = ctx.manifest.graphs[entry["graphs"][0]].config
         self.vocab = DraftVocab.of(ctx, entry)  # the head's draft vocabulary (EAGLE-3's always)
         self.chosen: Shape | None = None
-        if self.dynamic and not (ctx.options.get("beam") or ctx.options.get("tree_nodes")):
+        tree_given = bool(ctx.options.get("beam") or ctx.options.get("tree_nodes"))
+        if ctx.options.get("fan"):
+            if tree_given or not self.dynamic:
+                raise SpecrtError(f"--fan widens the first step of a dynamic drafter's chain ({self.name} "
+                                  f"{'drafts a static tree' if not self.dynamic else 'was given --beam / --tree-nodes'}): "
+                                  "drop --fan, or use it alone with eagle2/eagle3")
+            self.fan, self.beam = int(ctx.options["fan"]), 1
+            self.tree_nodes = self.fan + self.depth - 1
+        elif self.dynamic and not tree_given:
             self._size_to_costs(ctx, entry, cfg)
         graphs = [ctx.manifest.onnx_path(ctx.bundle, g) for g in entry["graphs"]]
         self.layer = FeatureLayer(graphs[0], cfg, ctx.capacity + self.scratch_rows(), ctx.threads, ctx.backend,
@@ -97,6 +109,7 @@ class EagleDrafter(Drafter):
             layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
         self.chosen = chain_shape(curve, entry, share, self.depth)
         self.beam, self.tree_nodes, self.depth = self.chosen.beam, self.chosen.nodes, self.chosen.depth
+        self.fan = self.chosen.width
         ctx.note(self.chosen.describe(self.name, curve))
 
     def scratch_rows(self) -> int:
@@ -133,6 +146,8 @@ class EagleDrafter(Drafter):
         if not (self.dynamic and sampling.greedy):
             return self._static(nodes, m, depth, max_nodes, sampling, rng)
         budget = min(self.tree_nodes, max_nodes)
+        if self.beam == 1 and self.fan > 1 and budget > 1:
+            return self._fan(nodes, m, min(self.fan, budget), min(depth, budget - min(self.fan, budget) + 1))
         if self.beam == 1:  # a chain: the greedy path, no ranking
             return Proposal(self._chain(nodes, m, min(depth, budget)), list(range(min(depth, budget))))
         keep = self._dynamic(nodes, m, depth, budget)
@@ -172,13 +187,30 @@ class EagleDrafter(Drafter):
         """The dynamic tree with beam 1: each depth's one child is its parent's argmax, and a budget of n nodes
         keeps the n shallowest (scores only fall with depth), so the chain of `depth` tokens is what _dynamic
         keeps, found without its log-softmax and sorts (a fifth of a chain-of-1 step's proposing)."""
-        p, out = 0, []
+        return self._chain_from(nodes, m, 0, depth)
+
+    def _chain_from(self, nodes: _Nodes, m: int, p: int, depth: int) -> list[int]:
+        """`depth` greedy drafts below node `p` (whose logits are computed), one pass between each two."""
+        out = []
         for d in range(1, depth + 1):
             p = nodes.add(int(self.vocab.to_target(int(nodes.logits[p].argmax()))), p)
             out.append(nodes.token[p])
             if d < depth:
                 self._pass(nodes, m, [p])
         return out
+
+    def _fan(self, nodes: _Nodes, m: int, width: int, depth: int) -> Proposal:
+        """The first step's `width` best candidates side by side (window slots 1..width), then the chain of
+        `depth` - 1 more drafts below the best one: `width` + `depth` - 1 nodes for `depth` draft passes."""
+        first = [int(t) for t in self.vocab.top(nodes.logits[0], width)]
+        best = nodes.add(first[0], 0)
+        tokens, parents = list(first), [0] * len(first)
+        if depth > 1:
+            self._pass(nodes, m, [best])
+            below = self._chain_from(nodes, m, best, depth - 1)
+            tokens += below
+            parents += [1] + list(range(len(first) + 1, len(first) + len(below)))
+        return Proposal(tokens, parents)
 
     def _dynamic(self, nodes: _Nodes, m: int, depth: int, budget: int) -> list[int]:
         frontier = [0]

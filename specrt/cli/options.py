@@ -124,6 +124,10 @@ def runtime_options(f):
         click.option("--beam", type=click.IntRange(min=1, max=16), default=None,
                      help="eagle2/eagle3 dynamic tree: nodes expanded per depth, children per node (default 4 "
                           "where --tree-nodes is given; with neither, a chain sized to this machine)."),
+        click.option("--fan", type=click.IntRange(min=1, max=16), default=None,
+                     help="eagle2/eagle3 (and eagle3-suffix): draft the first step's N best candidates side by side "
+                          "and a chain of -k below the best (1: a chain). Default, with no --beam or --tree-nodes: "
+                          "the fan and chain priced best on this machine's verify costs."),
         click.option("--exec-mode", type=click.Choice(["auto", *EXEC_MODES]), default="auto", show_default=True,
                      help="How target passes are shaped: auto picks the cheapest mode measured batch-invariant on "
                           "this machine (direct: as asked; padN: every pass at least N rows)."),
@@ -146,18 +150,23 @@ def sampling_options(f):
 
 
 TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
+FANNED = ("eagle2", "eagle3", "eagle3-suffix")  # the drafters `--fan` shapes (runtime/drafters/eagle.py)
 
 
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
                    backend="auto", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
-                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto", suffix_threshold=None):
+                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto", suffix_threshold=None, fan=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
     `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
+    from specrt.errors import SpecrtError
     from specrt.runtime.generate import Generator
     from specrt.schema.manifest import Manifest
 
+    if fan is not None and drafter not in FANNED:
+        raise SpecrtError(f"--fan widens the first step of {', '.join(FANNED)}; drafter {drafter or 'plain'} has no "
+                          "such step: drop --fan or name one of them with --drafter")
     path = resolve_bundle(bundle)
     given = {"num_draft_tokens": num_draft_tokens, "tree": tree, "adaptive": adaptive, "tree_nodes": tree_nodes,
              "beam": beam}
@@ -172,7 +181,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
                      kv_dtype=kv_dtype, auto_candidates=auto_candidates.split(",") if auto_candidates else None,
                      **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob),
-                                          ("suffix_threshold", suffix_threshold)) if v is not None})
+                                          ("suffix_threshold", suffix_threshold), ("fan", fan)) if v is not None})
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -20,7 +20,7 @@ from specrt.export.drafters.graphs import feature_graph
 from specrt.export.drafters.medusa import medusa_graph
 from specrt.export.loading import module_from_hf
 from specrt.export.modeling import rope_cos_sin
-from specrt.export.training.objectives import ttt_mask
+from specrt.export.training.objectives import top1_hits, top_hits, ttt_mask
 from specrt.kinds import learned_kinds
 from tests.helpers import tiny_hf_model
 
@@ -126,6 +126,16 @@ def test_training_time_test_mask_matches_drafting():
     assert m[r, 5:10].tolist() == [False, False, False, True, False]  # step 2 at row 3
     assert m[r, 10:].tolist() == [False, False, False, False, True]  # itself
     assert ttt_mask(4, 1).equal(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def test_top_k_hits_count_the_targets_token_among_the_drafters_best():
+    """Row by row: the target's token at rank 1, 2, 4, beyond 4, and a masked row (never counted)."""
+    logits = torch.tensor([[[9.0, 5, 3, 2, 1, 0], [5, 9, 3, 2, 1, 0], [9, 5, 3, 2, 1, 0],
+                            [9, 5, 3, 2, 1, 0], [9, 5, 3, 2, 1, 0]]])
+    top = torch.tensor([[0, 0, 3, 5, 0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    assert top_hits(logits, top, mask) == (1, 4, (1, 2, 2, 3))
+    assert top_hits(logits, top, mask)[:2] == top1_hits(logits, top, mask)
 
 
 def test_unrolled_step_equals_a_drafted_row(target):

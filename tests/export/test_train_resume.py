@@ -141,6 +141,8 @@ def test_zero_epochs_saves_the_warm_start_over_a_smaller_vocabulary(real_model, 
     assert m["steps_done"] == 0 and len(m["curve"]) == 1 and m["final"]["loss"] is None
     assert m["init_run"]["steps_done"] > 0 and m["init_run"]["label_vocab"] == 512  # the run it was cut from
     assert m["final"]["step"] == 0 and 0.0 <= min(m["final"]["top1_per_step"]) <= 1.0 and m["label_vocab"] == 128
+    within = m["final"]["first_step_top_k"]  # the first step's agreement within its 1..4 best candidates
+    assert len(within) == 4 and within[0] == m["final"]["top1_per_step"][0] and within == sorted(within)
     head = drafters.load(cut, real_model.module)  # the head rows are the target's, at the new ids
     assert torch.equal(head.lm_head.weight, real_model.module.lm_head.weight[want])
     with pytest.raises(SpecrtError, match="--epochs 0 saves a warm start"):

@@ -1,5 +1,6 @@
-"""The default EAGLE-2/3 shape (runtime/shapes.py): a chain sized to the verify cost curve it is given
-and the head's acceptance by depth; on any curve the output stays plain decoding's."""
+"""The default EAGLE-2/3 shape (runtime/shapes.py): a chain, or a chain fanned at its first step, sized to
+the verify cost curve it is given and the head's acceptance by depth and within its k best; on any curve
+the output stays plain decoding's."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import pytest
 
 from specrt.runtime.costs import CostCurve
 from specrt.runtime.generate import Generator
-from specrt.runtime.shapes import PRIOR_ACCEPTANCE, acceptance_prior, chain_shape, speedups
+from specrt.runtime.shapes import PRIOR_ACCEPTANCE, acceptance_prior, chain_shape, fan_speedup, speedups
 
 CPU = CostCurve((1, 2, 3, 4, 5, 8, 16), (3.0, 3.2, 3.6, 4.0, 4.6, 6.8, 13.0))  # steep past 4 rows
 FLAT = CostCurve((1, 16), (3.0, 3.3))  # a GPU's: 16 rows cost 1.1× one
+KNEE = CostCurve((1, 2, 3, 4, 8, 16), (3.0, 3.05, 3.1, 3.5, 6.0, 12.0))  # up to 3 rows about as one
+HEAD = {"acceptance_by_depth": [0.42, 0.37, 0.33], "acceptance_top_k": [0.42, 0.55, 0.62, 0.66]}
 
 
 def test_speedup_is_tokens_per_step_over_the_steps_cost():
@@ -37,6 +40,31 @@ def test_a_head_that_does_not_pay_still_drafts_one_and_says_so():
     line = shape.describe("eagle3", CPU)
     assert "a chain of 1 draft," in line and "below 1: --drafter auto" in line and "\n" not in line
     assert "0.05" in line and "held-out" in line
+
+
+def test_a_fan_is_priced_by_its_rows_and_the_heads_top_k():
+    """τ(w, d) = 1 + A_w + a_1·(a_2 + a_2·a_3 …) over a pass of w + d rows and d draft passes."""
+    assert fan_speedup(CPU, [0.4], 0.55, 2, 0.2) == pytest.approx(1.55 * 3.0 / (3.6 + 0.2))
+    assert fan_speedup(CPU, [0.4, 0.5], 0.55, 2, 0.2) == pytest.approx((1.55 + 0.4 * 0.5) * 3.0 / (4.0 + 0.4))
+    assert fan_speedup(CPU, [0.4, 0.5], 0.4, 1, 0.2) == pytest.approx(speedups(CPU, [0.4, 0.5], 0.2)[2])
+
+
+def test_a_flat_knee_gets_a_fan_a_steep_one_a_chain():
+    knee, steep = chain_shape(KNEE, HEAD, 0.07, 5), chain_shape(CPU, HEAD, 0.07, 5)
+    assert (knee.width, knee.depth, knee.nodes) == (2, 1, 2)  # 3 rows for 1.55 tokens a step
+    assert (steep.width, steep.depth) == (1, 1)  # on CPU 3 rows cost 1.2× one: the fan does not repay them
+    every = {(w, d): fan_speedup(KNEE, HEAD["acceptance_by_depth"][:d] + [0.33] * (d - 3), HEAD["acceptance_top_k"][w - 1],
+                                 w, 0.07 * 3.0) for w in (1, 2, 3, 4) for d in (1, 2, 3, 4, 5)}
+    assert knee.speedup == pytest.approx(max(every.values()), abs=1e-3)
+    line = knee.describe("eagle3", KNEE)
+    assert "a fan of the 2 best first drafts (held-out 0.55 within them) and a chain of 1 draft" in line
+    assert knee.to_dict()["width"] == 2 and knee.to_dict()["acceptance_within_width"] == 0.55
+
+
+@pytest.mark.parametrize("entry", [{"acceptance_by_depth": [0.42, 0.37]}, {"acceptance_top_k": [0.4, 0.9]}],
+                         ids=["no top-k counted", "no training record"])
+def test_without_the_heads_top_k_the_shape_is_a_chain(entry):
+    assert chain_shape(KNEE, entry, 0.07, 5).width == 1
 
 
 @pytest.mark.parametrize("entry,want,source", [
@@ -86,6 +114,10 @@ def test_export_records_the_heads_training_acceptance(tmp_path):
 
     (tmp_path / "metrics.json").write_text(json.dumps({"final": {"top1_per_step": [0.43, 0.344, 0.3117]}}))
     assert trained_acceptance(str(tmp_path)) == {"acceptance_by_depth": [0.43, 0.344, 0.3117]}
+    final = {"top1_per_step": [0.43, 0.344], "first_step_top_k": [0.43, 0.55, 0.6, 0.62]}
+    (tmp_path / "metrics.json").write_text(json.dumps({"final": final}))
+    assert trained_acceptance(str(tmp_path)) == {"acceptance_by_depth": [0.43, 0.344],
+                                                 "acceptance_top_k": [0.43, 0.55, 0.6, 0.62]}
     for bad in ({"final": {"top1_per_step": [1.5]}}, {"final": {}}, [1, 2]):
         (tmp_path / "metrics.json").write_text(json.dumps(bad))
         assert trained_acceptance(str(tmp_path)) == {}
@@ -107,3 +139,86 @@ def test_generate_names_the_shape_on_the_console_and_in_json(eagle_bundle, tmp_p
     assert list((tmp_path / "cache" / "costs").glob("*.json"))
     given = CliRunner().invoke(cli, [*base, "--json", "--tree-nodes", "6", "--beam", "2"])
     assert given.exit_code == 0 and "shape" not in json.loads(given.stdout) and "a chain of" not in given.stderr
+
+
+@pytest.fixture(scope="module")
+def fanned_bundle(eagle_bundle, tmp_path_factory):
+    """The random-drafter bundle with a training record of top-k agreement in its eagle3 entry."""
+    import shutil
+
+    bundle = tmp_path_factory.mktemp("fanned") / "bundle"
+    shutil.copytree(eagle_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["drafters"]["eagle3"].update(HEAD)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return bundle
+
+
+def test_the_generator_runs_a_fan_and_stays_plain_decoding(fanned_bundle):
+    prompt = list(range(40, 60))
+    plain = Generator(fanned_bundle, "plain", max_seq_len=128).generate_ids(prompt, 24).token_ids
+    gen = Generator(fanned_bundle, "eagle3", max_seq_len=128, num_draft_tokens=4, costs=KNEE)
+    assert (gen.drafter.fan, gen.drafter.depth, gen.drafter.tree_nodes) == (2, 1, 2)
+    assert any(n.startswith("note: eagle3: a fan of the 2 best first drafts") for n in gen.notes), gen.notes
+    res = gen.generate_ids(prompt, 24)
+    assert res.token_ids == plain and res.stats.drafted > 0
+
+
+@pytest.mark.parametrize("width,depth", [(2, 1), (3, 3), (4, 2)])
+def test_a_fan_proposes_the_first_steps_best_then_a_chain_below_the_best(fanned_bundle, width, depth):
+    """Slots 1..w: the first step's w best draft tokens, best first; slot w+1 on: the chain under slot 1,
+    the tokens a chain of `depth` drafts proposes from the same state."""
+    prompt = list(range(40, 60))
+    gen = Generator(fanned_bundle, "eagle3", max_seq_len=128, costs=KNEE)
+    drafter, propose, seen = gen.drafter, gen.drafter.propose, []
+    drafter.fan, drafter.depth, drafter.tree_nodes = width, depth, width + depth - 1
+
+    def both(tokens, max_nodes, max_depth, sampling, rng):
+        fan = propose(tokens, max_nodes, max_depth, sampling, rng)
+        drafter.fan, drafter.tree_nodes = 1, depth
+        chain = propose(tokens, max_nodes, max_depth, sampling, rng)
+        drafter.fan, drafter.tree_nodes = width, width + depth - 1
+        if max_nodes >= width + depth - 1 and max_depth >= depth:
+            seen.append((fan, chain))
+        return fan
+
+    drafter.propose = both
+    gen.generate_ids(prompt, 24)
+    assert seen
+    for fan, chain in seen:
+        below = [1, *range(width + 1, width + depth - 1)] if depth > 1 else []
+        assert fan.parents == [0] * width + below
+        assert fan.tokens[0] == chain.tokens[0] and fan.tokens[width:] == chain.tokens[1:]
+        assert len(set(fan.tokens[:width])) == width
+
+
+def test_a_fan_for_a_static_tree_is_refused_by_the_drafter_too(eagle_bundle):
+    from specrt.errors import SpecrtError
+
+    with pytest.raises(SpecrtError, match="eagle drafts a static tree"):
+        Generator(eagle_bundle, "eagle", max_seq_len=128, costs=CPU, fan=2)
+
+
+def test_a_fan_is_forced_by_its_option_whatever_the_curve(eagle_bundle):
+    """`fan=W` (`--fan`): W first drafts and a chain of -k, on a curve that would choose a plain chain."""
+    prompt = list(range(40, 60))
+    plain = Generator(eagle_bundle, "plain", max_seq_len=128).generate_ids(prompt, 24).token_ids
+    gen = Generator(eagle_bundle, "eagle3", max_seq_len=128, num_draft_tokens=2, costs=CPU, fan=3)
+    assert gen.drafter.chosen is None and (gen.drafter.fan, gen.drafter.depth, gen.drafter.tree_nodes) == (3, 2, 4)
+    assert gen.generate_ids(prompt, 24).token_ids == plain
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--drafter", "ngram", "--fan", "2"], "drafter ngram has no such step"),
+    (["--drafter", "eagle3", "--fan", "2", "--beam", "2"], "was given --beam / --tree-nodes"),
+    (["--drafter", "eagle", "--fan", "2"], "drafter eagle has no such step"),
+])
+def test_a_fan_where_it_cannot_apply_is_refused_in_one_line(eagle_bundle, args, says):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+    from specrt.errors import SpecrtError
+
+    result = CliRunner().invoke(cli, ["generate", str(eagle_bundle), "--prompt", "hi", "--max-new-tokens", "4", *args])
+    assert isinstance(result.exception, SpecrtError), result.output
+    assert says in str(result.exception) and "\n" not in str(result.exception)
