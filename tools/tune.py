@@ -28,6 +28,7 @@ class Candidate:
     adaptive: bool = False
     tree_nodes: int | None = None
     beam: int | None = None
+    fan: int | None = None
 
     @property
     def label(self) -> str:
@@ -38,6 +39,8 @@ class Candidate:
             parts.append(f"nodes={self.tree_nodes}")
         if self.beam:
             parts.append(f"beam={self.beam}")
+        if self.fan:
+            parts.append(f"fan={self.fan}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)
@@ -59,7 +62,8 @@ def _stored_tree(d: str) -> list[Candidate]:  # medusa: its exported tree, or ch
 
 def _dynamic(d: str) -> list[Candidate]:  # EAGLE-2 style: node budget per step, from a chain of one row up
     chains = [Candidate(d, k, tree_nodes=k, beam=1) for k in (1, 2, 3)]
-    return chains + [Candidate(d, 3, tree_nodes=4, beam=2)] + [Candidate(d, 5, tree_nodes=n) for n in (6, 10)] + \
+    fans = [Candidate(d, k, fan=w) for w, k in ((2, 1), (3, 1), (2, 2))]  # the first step's best side by side
+    return chains + fans + [Candidate(d, 3, tree_nodes=4, beam=2)] + [Candidate(d, 5, tree_nodes=n) for n in (6, 10)] + \
         [Candidate(d, 5, tree_nodes=6, adaptive=True)]
 
 
@@ -91,7 +95,7 @@ def candidates(drafters: Sequence[str]) -> list[Candidate]:
 
 
 def _run(gen: Generator, c: Candidate, prompts: list[list[int]], max_new_tokens: int) -> list:
-    gen.configure(c.num_draft_tokens, c.tree, c.adaptive, tree_nodes=c.tree_nodes, beam=c.beam)
+    gen.configure(c.num_draft_tokens, c.tree, c.adaptive, tree_nodes=c.tree_nodes, beam=c.beam, fan=c.fan)
     gen.use(c.drafter).generate_ids(prompts[0], min(16, max_new_tokens))  # warm-up
     return [gen.generate_ids(p, max_new_tokens) for p in prompts]
 

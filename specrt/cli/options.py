@@ -149,7 +149,7 @@ def sampling_options(f):
     ])
 
 
-TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam")
+TUNABLE = ("num_draft_tokens", "tree", "adaptive", "tree_nodes", "beam", "fan")
 FANNED = ("eagle2", "eagle3", "eagle3-suffix")  # the drafters `--fan` shapes (runtime/drafters/eagle.py)
 
 
@@ -164,16 +164,16 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
     from specrt.runtime.generate import Generator
     from specrt.schema.manifest import Manifest
 
-    if fan is not None and drafter not in FANNED:
-        raise SpecrtError(f"--fan widens the first step of {', '.join(FANNED)}; drafter {drafter or 'plain'} has no "
-                          "such step: drop --fan or name one of them with --drafter")
     path = resolve_bundle(bundle)
     given = {"num_draft_tokens": num_draft_tokens, "tree": tree, "adaptive": adaptive, "tree_nodes": tree_nodes,
-             "beam": beam}
+             "beam": beam, "fan": fan}
     if drafter is None:
         tuned = Manifest.load(path).runtime_defaults
         drafter = tuned.get("drafter", "plain")
         given = {k: v if v is not None else tuned.get(k) for k, v in given.items()}
+    if given["fan"] is not None and drafter not in FANNED:
+        raise SpecrtError(f"--fan widens the first step of {', '.join(FANNED)}; drafter {drafter} has no such step: "
+                          "drop --fan or name one of them with --drafter")
     return Generator(path, drafter=drafter, max_seq_len=max_seq_len, threads=threads,
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
@@ -181,7 +181,8 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      backend=backend, exec_mode=exec_mode, allow_inexact=allow_inexact, verify=verify,
                      kv_dtype=kv_dtype, auto_candidates=auto_candidates.split(",") if auto_candidates else None,
                      **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob),
-                                          ("suffix_threshold", suffix_threshold), ("fan", fan)) if v is not None})
+                                          ("suffix_threshold", suffix_threshold), ("fan", given["fan"]))
+                        if v is not None})
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -70,6 +70,8 @@ def test_candidates_cover_depths_and_adaptive():
     # from one drafted row up: the shortest drafts are the fastest where a row costs much (docs/performance.md)
     assert Candidate("ngram", 1) in got and Candidate("eagle3", 1, tree_nodes=1, beam=1) in got
     assert max(c.tree_nodes or 0 for c in got if c.drafter == "eagle3") == 10
+    assert Candidate("eagle3", 1, fan=2) in got and Candidate("eagle3", 2, fan=2) in got  # fans of the first step
+    assert not any(c.fan for c in got if c.drafter != "eagle3")
     assert Candidate("medusa") in got  # its exported tree
     assert all(c.drafter != "plain" for c in got)
 

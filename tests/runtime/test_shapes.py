@@ -222,3 +222,21 @@ def test_a_fan_where_it_cannot_apply_is_refused_in_one_line(eagle_bundle, args, 
     result = CliRunner().invoke(cli, ["generate", str(eagle_bundle), "--prompt", "hi", "--max-new-tokens", "4", *args])
     assert isinstance(result.exception, SpecrtError), result.output
     assert says in str(result.exception) and "\n" not in str(result.exception)
+
+
+def test_a_tuned_fan_is_the_bundles_default_and_an_option_overrides_it(fanned_bundle, tmp_path):
+    """`specrt tune` saves the fan it measured best; a command with no drafter named runs it."""
+    import shutil
+
+    from specrt.cli.options import make_generator
+
+    bundle = tmp_path / "tuned"
+    shutil.copytree(fanned_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["runtime_defaults"] = {"drafter": "eagle3", "num_draft_tokens": 2, "fan": 3}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    common = {"max_seq_len": 128, "threads": 1, "num_draft_tokens": None, "tree": None, "acceptance": None,
+              "ngram_max": 3, "ngram_min": 1}
+    tuned = make_generator(bundle, None, **common)
+    assert (tuned.drafter_name, tuned.drafter.fan, tuned.drafter.depth) == ("eagle3", 3, 2)
+    assert make_generator(bundle, None, **common, fan=2).drafter.fan == 2
