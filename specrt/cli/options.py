@@ -156,11 +156,12 @@ FANNED = ("eagle2", "eagle3", "eagle3-suffix")  # the drafters `--fan` shapes (r
 def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, threads, num_draft_tokens, tree,
                    acceptance, ngram_max, ngram_min, tree_nodes=None, beam=None, adaptive=None, slots=1,
                    backend="auto", exec_mode="auto", allow_inexact=False, verify=False, auto_candidates=None,
-                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto", suffix_threshold=None, fan=None):
+                   suffix_store=None, suffix_min_prob=None, kv_dtype="auto", suffix_threshold=None, fan=None,
+                   fan_drafters=None):
     """The Generator for a command's BUNDLE argument and `runtime_options`. With no drafter named, the
     bundle's tuned configuration (`specrt tune`) fills every option not given, else plain decoding.
-    `auto_candidates`: comma-separated drafters `--drafter auto` chooses among."""
-    from specrt.errors import SpecrtError
+    `auto_candidates`: comma-separated drafters `--drafter auto` chooses among. `fan_drafters`: the drafters
+    that will run (a benchmark's list; default the one named), of which `fan` must shape one."""
     from specrt.runtime.generate import Generator
     from specrt.schema.manifest import Manifest
 
@@ -171,9 +172,7 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
         tuned = Manifest.load(path).runtime_defaults
         drafter = tuned.get("drafter", "plain")
         given = {k: v if v is not None else tuned.get(k) for k, v in given.items()}
-    if given["fan"] is not None and drafter not in FANNED:
-        raise SpecrtError(f"--fan widens the first step of {', '.join(FANNED)}; drafter {drafter} has no such step: "
-                          "drop --fan or name one of them with --drafter")
+    check_fan(given["fan"], [drafter] if fan_drafters is None else fan_drafters)
     return Generator(path, drafter=drafter, max_seq_len=max_seq_len, threads=threads,
                      num_draft_tokens=given["num_draft_tokens"] or 5, tree=given["tree"], acceptance=acceptance,
                      adaptive=bool(given["adaptive"]), ngram_max=ngram_max, ngram_min=ngram_min,
@@ -183,6 +182,15 @@ def make_generator(bundle: Path | None, drafter: str | None, max_seq_len, thread
                      **{k: v for k, v in (("suffix_store", suffix_store), ("suffix_min_prob", suffix_min_prob),
                                           ("suffix_threshold", suffix_threshold), ("fan", given["fan"]))
                         if v is not None})
+
+
+def check_fan(fan: int | None, drafters) -> None:
+    """`--fan` is refused where none of the drafters that will run has a first step to widen."""
+    from specrt.errors import SpecrtError
+
+    if fan is not None and not set(drafters) & set(FANNED):
+        raise SpecrtError(f"--fan widens the first step of {', '.join(FANNED)}; drafter {', '.join(drafters)} has no "
+                          "such step: drop --fan or name one of them with --drafter")
 
 
 def sampling_params(temperature, top_k, top_p, seed):

@@ -240,3 +240,16 @@ def test_a_tuned_fan_is_the_bundles_default_and_an_option_overrides_it(fanned_bu
     tuned = make_generator(bundle, None, **common)
     assert (tuned.drafter_name, tuned.drafter.fan, tuned.drafter.depth) == ("eagle3", 3, 2)
     assert make_generator(bundle, None, **common, fan=2).drafter.fan == 2
+
+
+def test_a_benchmark_takes_a_fan_when_one_of_its_drafters_has_a_first_step_to_widen(eagle_bundle):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+    from specrt.errors import SpecrtError
+
+    base = ["bench", str(eagle_bundle), "--max-new-tokens", "4", "--repeats", "1", "--per-category", "1", "--fan", "2"]
+    refused = CliRunner().invoke(cli, [*base, "--drafters", "plain,ngram"])
+    assert isinstance(refused.exception, SpecrtError) and "drafter plain, ngram has no such step" in str(refused.exception)
+    ran = CliRunner().invoke(cli, [*base, "--drafters", "plain,eagle3"])
+    assert ran.exit_code == 0, ran.output
