@@ -150,7 +150,7 @@ class EagleDrafter(Drafter):
             return self._fan(nodes, m, min(self.fan, budget), min(depth, budget - min(self.fan, budget) + 1))
         if self.beam == 1:  # a chain: the greedy path, no ranking
             return Proposal(self._chain(nodes, m, min(depth, budget)), list(range(min(depth, budget))))
-        keep = self._dynamic(nodes, m, depth, budget)
+        keep = self._dynamic(nodes, m, min(depth, budget), budget)  # a kept node's ancestors are kept: depth ≤ budget
         slot = {n: i + 1 for i, n in enumerate(keep)}
         return Proposal([nodes.token[n] for n in keep], [slot.get(nodes.parent[n], 0) for n in keep])
 

@@ -253,3 +253,15 @@ def test_a_benchmark_takes_a_fan_when_one_of_its_drafters_has_a_first_step_to_wi
     assert isinstance(refused.exception, SpecrtError) and "drafter plain, ngram has no such step" in str(refused.exception)
     ran = CliRunner().invoke(cli, [*base, "--drafters", "plain,eagle3"])
     assert ran.exit_code == 0, ran.output
+
+
+def test_a_small_dynamic_tree_expands_no_deeper_than_its_node_budget(eagle_bundle):
+    """Every kept node's ancestors are kept, so a tree of n nodes has none below depth n: expanding deeper
+    only costs draft passes. With 2 nodes (-k 5): the catch-up pass and one more a step, at most."""
+    prompt = list(range(40, 60))
+    plain = Generator(eagle_bundle, "plain", max_seq_len=128).generate_ids(prompt, 24).token_ids
+    gen = Generator(eagle_bundle, "eagle3", max_seq_len=128, num_draft_tokens=5, costs=None, tree_nodes=2, beam=2)
+    res = gen.generate_ids(prompt, 24)
+    assert res.token_ids == plain and res.stats.drafted > 0
+    catch_up = 1 if gen.drafter.layer.backend == "native" else 2  # ONNX Runtime: a fuse call, then the pass
+    assert res.stats.draft_calls <= res.stats.steps * (catch_up + 1)
