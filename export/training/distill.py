@@ -24,7 +24,7 @@ from specrt.export.loading import LoadedModel
 from specrt.export.training.answers import MAX_PROMPT, Job, answer_jobs, quantized
 from specrt.export.training.datagen import encode
 from specrt.export.training.precision import aten_dispatch, engine_in_use, quant_engine
-from specrt.export.training.store import MappedData, ShardWriter, forget_whole_list_key
+from specrt.export.training.store import MappedData, ShardWriter, answered_ids, forget_whole_list_key
 from specrt.export.training.store_format import check_store
 
 SHARD_ROWS = 16_384
@@ -56,7 +56,7 @@ def upgrade_whole_list_key(root: Path, prompts: list[dict]) -> None:
     old = None if meta is None else meta["key"].get("prompts")
     if not isinstance(old, str):
         return
-    answered = {job.split(":", 1)[1] for s in meta["shards"] for job in s["jobs"]}
+    answered = answered_ids(meta)
     for rows in (prompts, [p for p in prompts if p["id"] in answered]):
         if hashlib.sha256("\n".join(map(_prompt_text, rows)).encode()).hexdigest()[:16] == old:
             forget_whole_list_key(root, meta, prompt_digests(rows))

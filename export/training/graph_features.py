@@ -113,8 +113,9 @@ def featurize_store(src: Path, dst: Path, bundle: Path, threads: int | None = No
     digest = manifest.graphs["target"].sha256
     key = {**meta["key"], "features": {"graph": "target", "sha256": digest}}
     held = check_store(dst)
-    if held is not None and held["key"].get("prompts", 0) == meta.get("whole_list_digest"):
-        forget_whole_list_key(dst, held, meta["prompts"])  # made from the answer store before it could grow
+    old = None if held is None else held["key"].get("prompts")  # a whole-list key: made before stores could grow
+    if old is not None and old == meta.get("whole_list_digest"):  # from this answer store, since upgraded
+        forget_whole_list_key(dst, held, meta["prompts"])
     writer = ShardWriter(dst, data.taps, key, meta.get("prompts"))
     done = writer.done_jobs
     jobs = [j for s in meta["shards"] for j in s["jobs"]]  # sequence i of the store is job jobs[i]

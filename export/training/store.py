@@ -38,6 +38,11 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+def answered_ids(meta: dict) -> set[str]:
+    """The prompt ids a store's shards hold answers to (job ids are "ROUND:PROMPT_ID")."""
+    return {job.split(":", 1)[1] for shard in meta["shards"] for job in shard["jobs"]}
+
+
 def forget_whole_list_key(root: Path, meta: dict, prompts: dict[str, str]) -> None:
     """A store written before stores could grow is keyed by one digest of its whole prompt list: record
     per-id digests of that list (`prompts`) instead, and the old digest for the stores derived from it."""
@@ -74,7 +79,7 @@ class ShardWriter:
     def _take_prompts(self, prompts: dict[str, str]) -> None:
         """Record each prompt id's digest; refuse an id the store has answered whose digest changed."""
         held = self.meta.get("prompts", {})
-        answered = {job.split(":", 1)[1] for job in self.done_jobs}
+        answered = answered_ids(self.meta)
         changed = sorted(i for i in answered if i in prompts and i in held and prompts[i] != held[i])
         if changed:
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""

@@ -147,7 +147,8 @@ class EagleDrafter(Drafter):
             return self._static(nodes, m, depth, max_nodes, sampling, rng)
         budget = min(self.tree_nodes, max_nodes)
         if self.beam == 1 and self.fan > 1 and budget > 1:
-            return self._fan(nodes, m, min(self.fan, budget), min(depth, budget - min(self.fan, budget) + 1))
+            width = min(self.fan, budget)
+            return self._fan(nodes, m, width, min(depth, budget - width + 1))
         if self.beam == 1:  # a chain: the greedy path, no ranking
             return Proposal(self._chain(nodes, m, min(depth, budget)), list(range(min(depth, budget))))
         keep = self._dynamic(nodes, m, min(depth, budget), budget)  # a kept node's ancestors are kept: depth ≤ budget
@@ -187,11 +188,7 @@ class EagleDrafter(Drafter):
         """The dynamic tree with beam 1: each depth's one child is its parent's argmax, and a budget of n nodes
         keeps the n shallowest (scores only fall with depth), so the chain of `depth` tokens is what _dynamic
         keeps, found without its log-softmax and sorts (a fifth of a chain-of-1 step's proposing)."""
-        return self._chain_from(nodes, m, 0, depth)
-
-    def _chain_from(self, nodes: _Nodes, m: int, p: int, depth: int) -> list[int]:
-        """`depth` greedy drafts below node `p` (whose logits are computed), one pass between each two."""
-        out = []
+        p, out = 0, []
         for d in range(1, depth + 1):
             p = nodes.add(int(self.vocab.to_target(int(nodes.logits[p].argmax()))), p)
             out.append(nodes.token[p])
@@ -200,17 +197,14 @@ class EagleDrafter(Drafter):
         return out
 
     def _fan(self, nodes: _Nodes, m: int, width: int, depth: int) -> Proposal:
-        """The first step's `width` best candidates side by side (window slots 1..width), then the chain of
-        `depth` - 1 more drafts below the best one: `width` + `depth` - 1 nodes for `depth` draft passes."""
-        first = [int(t) for t in self.vocab.top(nodes.logits[0], width)]
-        best = nodes.add(first[0], 0)
-        tokens, parents = list(first), [0] * len(first)
-        if depth > 1:
-            self._pass(nodes, m, [best])
-            below = self._chain_from(nodes, m, best, depth - 1)
-            tokens += below
-            parents += [1] + list(range(len(first) + 1, len(first) + len(below)))
-        return Proposal(tokens, parents)
+        """The chain of `depth` drafts with the first step's next `width` - 1 best candidates beside its first
+        (window slots 1..width): `width` + `depth` - 1 nodes for the chain's `depth` draft passes."""
+        chain = self._chain(nodes, m, depth)
+        ranked = (int(t) for t in self.vocab.top(nodes.logits[0], width))
+        others = [t for t in ranked if t != chain[0]][: width - 1]
+        first = 1 + len(others)
+        return Proposal([chain[0], *others, *chain[1:]],
+                        [0] * first + ([1, *range(first + 1, first + len(chain) - 1)] if len(chain) > 1 else []))
 
     def _dynamic(self, nodes: _Nodes, m: int, depth: int, budget: int) -> list[int]:
         frontier = [0]

@@ -10,12 +10,11 @@ import click
 
 from specrt.cli.options import (
     EXEC_MODES,
-    FANNED,
     UTF8,
     available_drafters,
     bundle_argument,
-    check_fan,
     make_generator,
+    resolve_bundle,
     runtime_options,
     sampling_options,
     sampling_params,
@@ -88,14 +87,14 @@ def command(bundle, prompts, per_category, drafters, max_new_tokens, repeats, pe
     from specrt.tools.peers import make_peers
 
     runtime["allow_inexact"] = True  # a benchmark runs what it is asked; identity with plain is reported
-    names = [d.strip() for d in drafters.split(",") if d.strip()] if drafters else None
-    if names:
-        check_fan(runtime.get("fan"), names)  # before any work
-    gen = make_generator(bundle, "plain", **runtime, fan_drafters=FANNED)  # --fan: checked on the drafters run
+    if drafters:
+        names = [d.strip() for d in drafters.split(",") if d.strip()]
+    else:
+        from specrt.schema.manifest import Manifest
+
+        names = available_drafters(Manifest.load(resolve_bundle(bundle)))
+    gen = make_generator(bundle, "plain", **runtime, fan_drafters=names)  # --fan is checked on the drafters run
     click.echo(f"exactness: {gen.exactness.summary()}", err=True)
-    if not names:
-        names = available_drafters(gen.manifest)
-        check_fan(runtime.get("fan"), names)
     tree_list = [t.strip() for t in trees.split(",") if t.strip()] if trees else [None]
     sampling = sampling_params(temperature, top_k, top_p, seed if seed is not None else 0)
     peers = {}  # each family in its own worker process, ended when the run is done
