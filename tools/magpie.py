@@ -37,6 +37,24 @@ SYSTEMS = (None, "You are a helpful assistant.", "You are a patient teacher who 
            "You are a concise assistant: answer in a few sentences.", "You are a knowledgeable science guide.",
            "You are an editor: you rewrite, shorten and correct the texts people give you.",
            "You are an assistant who answers with clear lists and steps.")
+# `--systems NAME`: the system prompts attempts take in turn. "mixed" is every kind of request; the others lean
+# the written user turns toward one kind the mixed set gives few of (a learned drafter accepts least on them)
+SYSTEM_SETS = {
+    "mixed": SYSTEMS,
+    "science": ("You are a science teacher. Students ask you why things in nature happen.",
+                "You are a physics tutor who answers questions about forces, energy, light and sound.",
+                "You are a biology teacher who explains how plants, animals and cells work.",
+                "You are a chemistry tutor who explains reactions, elements and everyday materials.",
+                "You are an astronomy guide who answers questions about space, planets and stars.",
+                "You are an Earth science teacher: weather, climate, oceans, rocks and volcanoes.",
+                "You explain how everyday technology works: engines, batteries, phones and the internet.",
+                "You are a health educator who explains how the human body works."),
+    "writing": ("You are a creative writing assistant: people ask you for short stories and poems.",
+                "You help people write emails, letters and messages for work and home.",
+                "You write product descriptions, announcements and short articles on request.",
+                "You are a speechwriter who drafts toasts, speeches and thank-you notes.",
+                "You write haiku, limericks and short rhyming poems about any subject people name."),
+}
 TEMPERATURES = (0.7, 0.85, 1.0)
 MIN_WORDS = 4
 MARKUP = re.compile(r"<\|[^|]*\|>|<s>|</s>|\[INST\]")
@@ -194,19 +212,29 @@ class Writer:
     """Writes prompts from a generator's target until `out` holds `count` (see the module doc)."""
 
     def __init__(self, gen, out: Path, heldout_files: Iterable[Path] = (), threshold: float = 0.7,
-                 heldout_share: float = 0.02, seed: int = 0):
+                 heldout_share: float = 0.02, seed: int = 0, systems: str = "mixed"):
+        if systems not in SYSTEM_SETS:
+            raise SpecrtError(f"--systems {systems!r}: choose one of {', '.join(SYSTEM_SETS)}")
         self.gen, self.out, self.seed, self.heldout_share = gen, Path(out), seed, heldout_share
+        self.set_name = systems
         self.heldout = NearDuplicates(threshold)
         for text in heldout_texts(heldout_files):
             self.heldout.add(text)
         self.kept = NearDuplicates(threshold)
         self.rows = read_existing(self.out)
+        other = {r.get("systems", "mixed") for r in self.rows} - {systems}
+        if other:  # attempt i's system prompt is the set's (i mod its size): one file, one set
+            raise SpecrtError(f"{self.out} was written with --systems {other.pop()}: extend it with that set, or "
+                              f"write --systems {systems} to another file")
         for row in self.rows:
             self.kept.add(row["prompt"])
         self.next_attempt = 1 + max((r["attempt"] for r in self.rows), default=-1)
         self.dropped: dict[str, int] = {}
         tok = gen.tokenizer
-        self.systems = [None, *(s for s in SYSTEMS[1:] if _renders(tok, s))]  # a template may refuse a system turn
+        # a template may refuse a system turn
+        self.systems = [s for s in SYSTEM_SETS[systems] if s is None or _renders(tok, s)]
+        if not self.systems:
+            raise SpecrtError(f"--systems {systems}: this bundle's chat template takes no system prompt")
         self.prefixes = [tok.tok.encode(pre_query(tok, s), add_special_tokens=False).ids for s in self.systems]
 
     def settings(self, attempt: int) -> tuple[str | None, float]:
@@ -224,8 +252,11 @@ class Writer:
             self.dropped[why] = self.dropped.get(why, 0) + 1
             return None
         self.kept.add(w.text)
-        row = {"id": f"magpie-{w.attempt}", "category": "magpie", "split": split_of(w.text, self.heldout_share),
+        name = "magpie" if self.set_name == "mixed" else f"magpie-{self.set_name}"  # ids unique across files
+        row = {"id": f"{name}-{w.attempt}", "category": "magpie", "split": split_of(w.text, self.heldout_share),
                "prompt": w.text, "system": w.system, "temperature": w.temperature, "attempt": w.attempt}
+        if self.set_name != "mixed":  # rows of the first files, written before there were sets, say nothing
+            row["systems"] = self.set_name
         self.rows.append(row)
         return row
 

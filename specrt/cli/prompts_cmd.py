@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from specrt.tools.magpie import SYSTEM_SETS
+
 
 @click.command("prompts")
 @click.argument("bundle", required=False, type=click.Path(path_type=Path, exists=True, file_okay=False))
@@ -27,8 +29,11 @@ import click
               help="Prompts written at once (batched on the serving scheduler).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Attempt i samples with seed SEED + i.")
+@click.option("--systems", type=click.Choice(list(SYSTEM_SETS)), default="mixed", show_default=True,
+              help="The system prompts attempts take in turn: every kind of request, or ones leaning toward "
+                   "science questions or writing tasks (a file keeps the set it was started with).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
-def command(bundle, out, count, max_new_tokens, heldout_files, threshold, heldout_share, slots, seed, threads):
+def command(bundle, out, count, max_new_tokens, heldout_files, threshold, heldout_share, slots, seed, systems, threads):
     """Write prompts with the bundle's own target (default: the default bundle): its chat template up to a user
     turn, sampled with varied system prompts, temperatures and seeds. A prompt that was cut off, is too short,
     repeats a kept one or any held-out prompt (exactly or nearly) is dropped."""
@@ -39,6 +44,6 @@ def command(bundle, out, count, max_new_tokens, heldout_files, threshold, heldou
     gen = Generator(resolve_bundle(bundle), "plain", threads=threads, slots=slots, max_seq_len=512)
     for note in gen.notes:
         click.echo(note, err=True)
-    writer = Writer(gen, out, heldout_files, threshold, heldout_share, seed)
+    writer = Writer(gen, out, heldout_files, threshold, heldout_share, seed, systems)
     summary = writer.run(count, max_new_tokens, gen.slots)
     click.echo(json.dumps({"out": str(out), **summary}))

@@ -92,3 +92,24 @@ def test_a_template_that_refuses_system_turns_writes_without_them(tmp_path):
     assert writer.systems == [None] and writer.prefixes == [[len("<start_of_turn>user\n")]]
     assert {writer.settings(a) for a in range(3)} == {(None, 0.7), (None, 0.85), (None, 1.0)}
     assert SENTINEL not in pre_query(NoSystem(), None)
+
+
+def test_a_system_set_leans_the_prompts_and_a_file_keeps_its_set(gen, tmp_path):
+    from specrt.errors import SpecrtError
+    from specrt.tools.magpie import SYSTEM_SETS
+
+    out = tmp_path / "science.jsonl"
+    writer = Writer(gen, out, systems="science")
+    assert writer.systems == list(SYSTEM_SETS["science"])
+    assert all("physics tutor" not in text for text in map(str, Writer(gen, tmp_path / "m.jsonl").systems))
+    assert any("physics tutor" in gen.tokenizer.tok.decode(p) for p in writer.prefixes)
+    writer.run(3, max_new_tokens=48, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["systems"] == "science" and r["system"] in SYSTEM_SETS["science"] for r in rows)
+    assert all(r["id"] == f"magpie-science-{r['attempt']}" for r in rows)  # never a mixed file's id
+    with pytest.raises(SpecrtError, match="written with --systems science"):
+        Writer(gen, out)  # the mixed set would give attempt i another system prompt than the file's rows had
+    Writer(gen, out, systems="science").run(4, max_new_tokens=48, progress=False)
+    assert len(out.read_text().splitlines()) == 4
+    with pytest.raises(SpecrtError, match="choose one of mixed"):
+        Writer(gen, tmp_path / "x.jsonl", systems="poetry")
