@@ -23,22 +23,18 @@ from specrt.export.training.datagen import DistillData
 
 
 class Batch:
-    """Right-padded sequences: tokens [B,T], hidden [B,T,H], aux, labels, `length` [B], `answer` [B,T]."""
+    """Right-padded sequences: tokens [B,T], hidden [B,T,H], aux, labels, `length` [B], `answer` [B,T].
+    `hidden` is read from the store when an objective first asks for it: EAGLE-3's reads the tapped layers
+    (aux) alone, and the final hidden states are a quarter of a store's feature bytes, which training
+    otherwise streams from disk once a store outgrows the page cache."""
 
     def __init__(self, data: DistillData, seqs: list[int], label_index: torch.Tensor):
         lens = [data.seq(i).stop - data.seq(i).start for i in seqs]
         self.T = max(lens)
         self.length = torch.tensor(lens)
-
-        def pad(name, fill=0):
-            rows = [data.fetch(name, i) for i in seqs]
-            out = torch.full((len(rows), self.T, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
-            for b, r in enumerate(rows):
-                out[b, : len(r)] = r
-            return out
-
+        self._data, self._seqs, self._hidden = data, seqs, None
+        pad = self._pad
         self.tokens = pad("tokens")
-        self.hidden = pad("hidden").float()
         self.aux = pad("aux").float() if data.has_aux else None
         lab = label_index[pad("top_ids")]  # into the label vocabulary; -1: not in it
         self.label_top = lab[..., 0]
@@ -47,6 +43,19 @@ class Batch:
         pos = torch.arange(self.T)[None]
         self.valid = pos < self.length[:, None]
         self.answer = self.valid & (pos >= data.prompt_lens[seqs][:, None])
+
+    def _pad(self, name: str, fill=0) -> torch.Tensor:
+        rows = [self._data.fetch(name, i) for i in self._seqs]
+        out = torch.full((len(rows), self.T, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+        for b, r in enumerate(rows):
+            out[b, : len(r)] = r
+        return out
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        if self._hidden is None:
+            self._hidden = self._pad("hidden").float()
+        return self._hidden
 
 
 def soft_ce(logits: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -174,3 +174,40 @@ def test_greedy_speculation_equals_plain(family_bundle, drafter):
     res = Generator(bundle, drafter, num_draft_tokens=3, max_seq_len=64).generate_ids(prompt, NEW_TOKENS)
     assert res.token_ids == plain, (family, drafter)
     assert res.stats.drafted > 0, (family, drafter)
+
+
+class Fetches:
+    """A store's interface over `data`, recording which fields training reads."""
+
+    def __init__(self, data):
+        self.data, self.names = data, set()
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def fetch(self, name, i):
+        self.names.add(name)
+        return self.data.fetch(name, i)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_training_reads_the_final_hidden_states_only_where_its_objective_uses_them(kind):
+    """EAGLE-3 learns from the tapped layers (aux): reading the final hidden states too would stream a quarter
+    more of a store's bytes from disk per step for nothing. EAGLE-1 feeds them to its layer."""
+    target = module_from_hf(tiny_hf_model("llama", seed=1))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (6, 9)]
+    spec = kinds.kind(kind)
+    module = drafters.build(drafters.make_config(kind, **spec.example_config), target)
+    taps = tuple(getattr(module.cfg, "taps", ()) or (0, 1))
+    data = DistillData.from_sequences(generate(target, prompts, 8, taps, batch_size=2, progress=False),
+                                      [len(p) for p in prompts], [False, False], taps)
+    n = module.lm_head.weight.shape[0]  # the draft vocabulary (EAGLE-3) or the whole one
+    vocab = torch.arange(n)
+    label_index = torch.full((TINY["vocab_size"],), -1, dtype=torch.long)
+    label_index[vocab] = vocab
+    objective = resolve(spec.training.objective)(module, data, vocab)
+    seen = Fetches(data)
+    loss, _ = objective(Batch(seen, [0, 1], label_index))
+    assert torch.isfinite(loss)
+    assert ("hidden" in seen.names) == (kind == "eagle"), seen.names
