@@ -24,7 +24,7 @@ KINDS ?= $(shell $(PY) -c 'from specrt.kinds import learned_kinds; print(*learne
 TRAIN_MINUTES ?= 20
 # Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
 STORE ?= $(SPECRT_HOME)/train/store
-DISTILL_TOKENS ?= 1500000
+DISTILL_TOKENS ?= 2000000
 # The drafter shipped for the default model (weights in git; `make train-shipped` trains it on, warm). One
 # trained under $(SPECRT_HOME)/drafters of the same kind takes its place.
 SHIPPED_DRAFTERS ?= drafters/smollm2-135m-instruct
@@ -124,7 +124,7 @@ train: distill
 
 # The shipped drafter, trained again with the command its metrics.json records (SHIPPED_TRAIN_FLAGS).
 SHIPPED_KIND ?= eagle3
-SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 1.5 --max-minutes 90 --batch 8 --lr 5e-4 --steps 3 \
+SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 1 --max-minutes 120 --batch 8 --lr 5e-4 --steps 3 \
 	--draft-vocab 4096 --save-dtype fp16
 train-shipped: distill
 	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE) $(SHIPPED_TRAIN_FLAGS) -o $(SPECRT_HOME)/drafters/$(SHIPPED_KIND)
