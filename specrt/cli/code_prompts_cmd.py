@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.options import heldout_options
+
 
 @click.command("code-prompts")
 @click.option("-o", "--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
@@ -14,13 +16,9 @@ import click
 @click.option("--count", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompts to write.")
 @click.option("--from", "roots", multiple=True, type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="Folders of Python sources (repeatable). Default: this Python's standard library.")
-@click.option("--heldout", "heldout_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="More JSONL prompt files no prompt may repeat or nearly repeat (the shipped held-out split and "
-                   "benchmark set always count).")
-@click.option("--heldout-share", type=click.FloatRange(min=0, max=1), default=0.02, show_default=True,
-              help="Share of prompts put in a held-out split of their own (by a hash of the text).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Which files come first and which request each function gets.")
+@heldout_options
 def command(out, count, roots, heldout_files, heldout_share, seed):
     """Write code prompts: each function of 4-40 lines in the sources becomes one request about it (explain,
     complete, document, test, simplify, find edge cases), de-duplicated and kept off every held-out set."""

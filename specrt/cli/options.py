@@ -138,6 +138,19 @@ def runtime_options(f):
     ])
 
 
+def heldout_options(f):
+    """What keeps written prompts off held-out sets: the prompt commands (`prompts`, `code-prompts`,
+    `text-prompts`) share these."""
+    return _apply(f, [
+        click.option("--heldout", "heldout_files", multiple=True,
+                     type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                     help="More JSONL prompt files no written prompt may repeat or nearly repeat (the shipped "
+                          "held-out split and benchmark set always count)."),
+        click.option("--heldout-share", type=click.FloatRange(min=0, max=1), default=0.02, show_default=True,
+                     help="Share of written prompts put in a held-out split of their own (by a hash of the text)."),
+    ])
+
+
 def sampling_options(f):
     return _apply(f, [
         click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,

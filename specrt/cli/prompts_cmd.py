@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.options import heldout_options
 from specrt.tools.magpie import SYSTEM_SETS
 
 
@@ -18,13 +19,8 @@ from specrt.tools.magpie import SYSTEM_SETS
               help="Prompts the file should hold.")
 @click.option("--max-new-tokens", type=click.IntRange(min=8), default=96, show_default=True,
               help="Longest prompt written; one cut off at this length is dropped.")
-@click.option("--heldout", "heldout_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="More JSONL prompt files that no written prompt may repeat or nearly repeat (the shipped "
-                   "held-out split and benchmark set always count).")
 @click.option("--threshold", type=click.FloatRange(min=0, max=1, min_open=True), default=0.7, show_default=True,
               help="Word 3-gram Jaccard similarity at which two prompts are near duplicates.")
-@click.option("--heldout-share", type=click.FloatRange(min=0, max=1), default=0.02, show_default=True,
-              help="Share of written prompts put in a held-out split of their own (by a hash of the text).")
 @click.option("--slots", type=click.IntRange(min=1, max=64), default=8, show_default=True,
               help="Prompts written at once (batched on the serving scheduler).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -33,6 +29,7 @@ from specrt.tools.magpie import SYSTEM_SETS
               help="The system prompts attempts take in turn: every kind of request, or ones leaning toward "
                    "science questions or writing tasks (a file keeps the set it was started with).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@heldout_options
 def command(bundle, out, count, max_new_tokens, heldout_files, threshold, heldout_share, slots, seed, systems, threads):
     """Write prompts with the bundle's own target (default: the default bundle): its chat template up to a user
     turn, sampled with varied system prompts, temperatures and seeds. A prompt that was cut off, is too short,

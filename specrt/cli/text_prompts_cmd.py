@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.options import heldout_options
+
 
 @click.command("text-prompts")
 @click.option("-o", "--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
@@ -17,13 +19,9 @@ import click
 @click.option("--bundle", type=click.Path(path_type=Path, exists=True, file_okay=False),
               help="The bundle whose tokenizer decodes a store's answers (default: the default bundle).")
 @click.option("--count", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompts to write.")
-@click.option("--heldout", "heldout_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="More JSONL prompt files no prompt may repeat or nearly repeat (the shipped held-out split and "
-                   "benchmark set always count).")
-@click.option("--heldout-share", type=click.FloatRange(min=0, max=1), default=0.02, show_default=True,
-              help="Share of prompts put in a held-out split of their own (by a hash of the text).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Which passages come first and which request each one gets.")
+@heldout_options
 def command(out, sources, bundle, count, heldout_files, heldout_share, seed):
     """Write requests about texts: each prose paragraph of 25-120 words becomes one request about it (simplify,
     summarise, make formal or casual, shorten, list, correct, retitle ...), de-duplicated and kept off every
