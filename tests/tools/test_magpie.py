@@ -90,6 +90,8 @@ def test_a_template_that_refuses_system_turns_writes_without_them(tmp_path):
 
     writer = Writer(SimpleNamespace(tokenizer=NoSystem()), tmp_path / "p.jsonl")
     assert writer.systems == [None] and writer.prefixes == [[len("<start_of_turn>user\n")]]
+    with pytest.raises(SpecrtError, match="--systems science: this bundle's chat template takes no system prompt"):
+        Writer(SimpleNamespace(tokenizer=NoSystem()), tmp_path / "s.jsonl", systems="science")
     assert {writer.settings(a) for a in range(3)} == {(None, 0.7), (None, 0.85), (None, 1.0)}
     assert SENTINEL not in pre_query(NoSystem(), None)
 
