@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.tools.magpie import NearDuplicates, heldout_texts, split_of
+from specrt.tools.magpie import NearDuplicates, heldout_index, split_of
 
 MIN_LINES, MAX_LINES, MAX_CHARS = 4, 40, 1600  # a function's size; the prompt's (a slot takes 512 tokens)
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo"}
@@ -99,9 +99,7 @@ def code_prompts(count: int, roots: Iterable[Path] | None = None, seed: int = 0,
     roots = list(roots) if roots else default_roots()
     files = source_files(roots)
     random.Random(seed).shuffle(files)
-    held, kept, seen_code = NearDuplicates(threshold), NearDuplicates(threshold), NearDuplicates(threshold)
-    for text in heldout_texts(heldout_files):
-        held.add(text)
+    held, kept, seen_code = heldout_index(heldout_files, threshold), NearDuplicates(threshold), NearDuplicates(threshold)
     rows, dropped = [], {"too long": 0, "no docstring": 0, "held-out duplicate": 0, "duplicate": 0}
     for path in files:
         for fn, code in functions(path):

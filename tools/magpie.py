@@ -146,6 +146,14 @@ def heldout_texts(files: Iterable[Path] = ()) -> list[str]:
     return [p["prompt"] for p in rows]
 
 
+def heldout_index(files: Iterable[Path] = (), threshold: float = 0.7) -> NearDuplicates:
+    """Every held-out prompt (`heldout_texts`), indexed for the same-or-near-duplicate check."""
+    index = NearDuplicates(threshold)
+    for text in heldout_texts(files):
+        index.add(text)
+    return index
+
+
 def _renders(tokenizer, system: str) -> bool:
     """Does the chat template take a system turn (some raise_exception on one)?"""
     try:
@@ -217,9 +225,8 @@ class Writer:
             raise SpecrtError(f"--systems {systems!r}: choose one of {', '.join(SYSTEM_SETS)}")
         self.gen, self.out, self.seed, self.heldout_share = gen, Path(out), seed, heldout_share
         self.set_name = systems
-        self.heldout = NearDuplicates(threshold)
-        for text in heldout_texts(heldout_files):
-            self.heldout.add(text)
+        self.id_prefix = "magpie" if systems == "mixed" else f"magpie-{systems}"  # ids unique across files
+        self.heldout = heldout_index(heldout_files, threshold)
         self.kept = NearDuplicates(threshold)
         self.rows = read_existing(self.out)
         other = {r.get("systems", "mixed") for r in self.rows} - {systems}
@@ -252,8 +259,7 @@ class Writer:
             self.dropped[why] = self.dropped.get(why, 0) + 1
             return None
         self.kept.add(w.text)
-        name = "magpie" if self.set_name == "mixed" else f"magpie-{self.set_name}"  # ids unique across files
-        row = {"id": f"{name}-{w.attempt}", "category": "magpie", "split": split_of(w.text, self.heldout_share),
+        row = {"id": f"{self.id_prefix}-{w.attempt}", "category": "magpie", "split": split_of(w.text, self.heldout_share),
                "prompt": w.text, "system": w.system, "temperature": w.temperature, "attempt": w.attempt}
         if self.set_name != "mixed":  # rows of the first files, written before there were sets, say nothing
             row["systems"] = self.set_name

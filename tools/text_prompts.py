@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.tools.magpie import NearDuplicates, heldout_texts, split_of
+from specrt.tools.magpie import NearDuplicates, heldout_index, split_of
 
 MIN_WORDS, MAX_WORDS = 25, 120  # a passage's size: a paragraph, not a line or a page
 TEXT_SUFFIXES = (".txt", ".md")
@@ -113,9 +113,7 @@ def text_prompts(found: Iterable[tuple[str, str]], count: int, seed: int = 0, he
         pool.setdefault(where, para)
     order = sorted(pool)
     random.Random(seed).shuffle(order)
-    held, kept, seen = NearDuplicates(threshold), NearDuplicates(threshold), NearDuplicates(threshold)
-    for text in heldout_texts(heldout_files):
-        held.add(text)
+    held, kept, seen = heldout_index(heldout_files, threshold), NearDuplicates(threshold), NearDuplicates(threshold)
     rows, dropped = [], {"held-out duplicate": 0, "duplicate": 0}
     for where in order:
         if len(rows) >= count:
