@@ -78,6 +78,12 @@ def linear_new(lib: ctypes.CDLL, lin: Linear) -> int | None:
     return lib.spn_linear_new(*args)
 
 
+def linear_factors(lib: ctypes.CDLL, h: int) -> dict[str, str]:
+    """How a product keeps its scales and minimums: "half" (every one a half exactly) or "float"."""
+    bits = lib.spn_linear_factors(h)
+    return {"scales": "half" if bits & 1 else "float", "mins": "half" if bits & 2 else "float"}
+
+
 def linear_run(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, y: np.ndarray) -> int:
     """y[M, N] = x[M, K] · W on kernel code `kernel`; 0 when done."""
     for a in (x, y):

@@ -61,6 +61,7 @@ SIGNATURES = {
     "spn_feature_pass": (I32, [P, I32, P, P, P, I64, P, P, P, I32, P, P, I32, P, P]),
     "spn_linear_new": (P, [I32, I32, I32, P, I64, P, I64, P, I64, P, I64]),
     "spn_linear_free": (None, [P]),
+    "spn_linear_factors": (I32, [P]),
     "spn_linear_run": (I32, [P, I32, I32, I32, P, I64, P, I64]),
 }
 

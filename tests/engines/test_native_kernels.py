@@ -11,6 +11,9 @@ from specrt.engines.native import calls, library, weights
 
 KERNELS = list(library.KERNELS)
 FORMATS = list(weights.FORMATS)
+# the formats whose factors can be halves exactly (GGUF's Q4_0, Q4_1, Q8_0, Q5_1 carry d and m as halves): their
+# weights with every scale and minimum a half, which the library keeps as halves
+HALVES = [f"{fmt}/half" for fmt in ("q4", "q4_min", "q8", "q8_min")]
 
 
 def needs(kernel: str):
@@ -18,14 +21,21 @@ def needs(kernel: str):
         pytest.skip(f"this CPU cannot execute the {kernel} kernel (it needs {library.NEEDS[kernel]})")
 
 
+def as_halves(a: np.ndarray) -> np.ndarray:
+    """Float32 values that are each a half exactly."""
+    return a.astype(np.float16).astype(np.float32)
+
+
 class Linear:
     """A random projection of weight format `fmt` in the library's input layout, loaded into the library;
-    `dense` is the weights it stands for, [N, K] in float64."""
+    `dense` is the weights it stands for, [N, K] in float64. "FMT/half": its scales and minimums are halves."""
 
     def __init__(self, k: int, n: int, seed: int = 0, bias: bool = False, fmt: str = "q4"):
+        fmt, _, storage = fmt.partition("/")
+        factor = as_halves if storage == "half" else (lambda a: a)
         rng = np.random.default_rng(seed)
         blocks = -(-k // 32)
-        self.scales = (rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32)
+        self.scales = factor((rng.random((n, blocks)) * 0.02 + 0.001).astype(np.float32))
         self.mins = None
         if fmt in ("q8", "q8x16", "q8_min", "q8x16_min"):
             q = rng.integers(-128, 128, (n, blocks, 32)).astype(np.int8)
@@ -34,7 +44,7 @@ class Linear:
             self.packed = np.ascontiguousarray(q)
             values = q.astype(np.float64)
             if fmt == "q8_min":  # a GGUF Q5_1 / Q5_K block's d·q + m (its codes 0..31; any int8 computes)
-                self.mins = (-rng.random((n, blocks)) * 0.15).astype(np.float32)
+                self.mins = factor((-rng.random((n, blocks)) * 0.15).astype(np.float32))
                 values = values + (self.mins / self.scales)[..., None]
             if fmt in ("q8x16", "q8x16_min"):  # the upper half's scale: its own, so mixing the halves is off
                 upper = (rng.random((n, blocks)) * 0.05 + 0.001).astype(np.float32)
@@ -48,7 +58,7 @@ class Linear:
             q = rng.integers(0, 16, (n, blocks, 32)).astype(np.uint8)
             values = q.astype(np.float64) - 8
             if fmt == "q4_min":
-                self.mins = (-rng.random((n, blocks)) * 0.15).astype(np.float32)
+                self.mins = factor((-rng.random((n, blocks)) * 0.15).astype(np.float32))
                 values = q.astype(np.float64) + (self.mins / self.scales)[..., None]
             if k % 32:
                 q[:, -1, k % 32:] = 8  # padding inputs: never read against a nonzero activation
@@ -71,7 +81,7 @@ class Linear:
         self.lib.spn_linear_free(self.h)
 
 
-@pytest.fixture(scope="module", params=FORMATS)
+@pytest.fixture(scope="module", params=FORMATS + HALVES)
 def qkv(request):
     return Linear(576, 960, seed=1, fmt=request.param)
 
@@ -97,7 +107,7 @@ def test_every_row_count_gives_each_row_bitwise_the_scalar_reference(kernel, qkv
         assert np.array_equal(got, reference[:m]), (kernel, m, np.abs(got - reference[:m]).max())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + HALVES)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_any_block_count_and_tile_height_gives_the_reference(kernel, fmt):
     """One block, an odd number of blocks (the AMX kernel takes blocks in pairs) and row counts around its
@@ -121,7 +131,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(kernel, qkv, rows):
     assert np.array_equal(qkv(kernel, rows[:12], threads=1), alone)  # and not on the thread split
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + HALVES)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_the_product_is_the_float_product_within_int8_rounding(kernel, fmt, rows):
     needs(kernel)
@@ -134,6 +144,48 @@ def test_the_product_is_the_float_product_within_int8_rounding(kernel, fmt, rows
     bound = 0.5 * step * np.abs(lin.dense).sum(axis=1)[None, :] + 1e-5 * (1 + np.abs(exact))
     assert np.all(np.abs(got - exact) <= bound), np.abs(got - exact).max()
     assert np.array_equal(got, lin("scalar", x))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_factors_kept_as_halves_give_bitwise_what_floats_give(kernel, rows, monkeypatch):
+    """Weights whose scales and minimums are all halves keep them as halves (half the factor bytes a pass
+    streams); each kernel's outputs equal, bitwise, those of the same weights kept as floats
+    (SPECRT_NATIVE_HALF_FACTORS=0) at every row count."""
+    needs(kernel)
+    for fmt in HALVES:
+        kept = Linear(576, 200, seed=6, bias=True, fmt=fmt)
+        monkeypatch.setenv("SPECRT_NATIVE_HALF_FACTORS", "0")
+        floats = Linear(576, 200, seed=6, bias=True, fmt=fmt)
+        monkeypatch.delenv("SPECRT_NATIVE_HALF_FACTORS")
+        mins = "half" if kept.mins is not None else "float"
+        assert calls.linear_factors(kept.lib, kept.h) == {"scales": "half", "mins": mins}, fmt
+        assert calls.linear_factors(floats.lib, floats.h) == {"scales": "float", "mins": "float"}, fmt
+        for m in (1, 2, 3, 4, 8, 9, 16, 17, 32):
+            assert np.array_equal(kept(kernel, rows[:m]), floats(kernel, rows[:m])), (kernel, fmt, m)
+
+
+def test_one_factor_that_is_not_a_half_keeps_that_array_as_floats():
+    """A single scale off the halves' grid (or out of their range) keeps the scales as floats; the minimums,
+    all halves, are still kept as halves. The half-block formats keep floats."""
+    lin = Linear(64, 40, seed=7, fmt="q4_min/half")
+    assert calls.linear_factors(lin.lib, lin.h) == {"scales": "half", "mins": "half"}
+    for odd in (0.1, 1e-9, 7e4):
+        scales = lin.scales.copy()
+        scales[5, 1] = odd
+        h = calls.linear_new(lin.lib, weights.Linear(64, 40, lin.packed, scales, None, "q4_min", lin.mins))
+        assert h, library.last_error()
+        try:
+            assert calls.linear_factors(lin.lib, h) == {"scales": "float", "mins": "half"}, odd
+        finally:
+            lin.lib.spn_linear_free(h)
+    halves = Linear(64, 40, seed=7, fmt="q8x16")
+    rounded = as_halves(halves.scales)
+    h = calls.linear_new(halves.lib, weights.Linear(64, 40, halves.packed, rounded, None, "q8x16", None))
+    assert h, library.last_error()
+    try:
+        assert calls.linear_factors(halves.lib, h) == {"scales": "float", "mins": "float"}
+    finally:
+        halves.lib.spn_linear_free(h)
 
 
 def test_the_formats_differ_and_a_bad_layout_is_refused():

@@ -56,8 +56,21 @@ struct OwnedWeight : QWeight {
   OwnedWeight& operator=(const OwnedWeight&) = delete;
   ~OwnedWeight() { release(); }
   void release() {
-    free(packed), free(scales), free(mins), free(hi_scales), free(hi_mins), free(bias);
+    free(packed), free(scales), free(mins), free(hi_scales), free(hi_mins), free(bias), free(half_scales), free(half_mins);
     packed = nullptr, scales = nullptr, mins = nullptr, hi_scales = nullptr, hi_mins = nullptr, bias = nullptr;
+    half_scales = nullptr, half_mins = nullptr;
+  }
+  // The float array `f` (n) as halves in `h`, when every value is a half exactly (the GGUF blocks' d and m are:
+  // Q4_0, Q4_1, Q8_0, Q5_0, Q5_1); else left as it is. SPECRT_NATIVE_HALF_FACTORS=0 keeps floats always.
+  static void keep_as_halves(float*& f, uint16_t*& h, size_t n) {
+    const char* env = std::getenv("SPECRT_NATIVE_HALF_FACTORS");
+    if (!f || (env && std::strcmp(env, "0") == 0)) return;
+    for (size_t i = 0; i < n; ++i)
+      if (float_to_half_exact(f[i]) == kNotHalf) return;
+    h = static_cast<uint16_t*>(aligned(n * sizeof(uint16_t)));
+    for (size_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(float_to_half_exact(f[i]));
+    free(f);
+    f = nullptr;
   }
   // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
   // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks] (kQ8x16: scales
@@ -108,6 +121,7 @@ struct OwnedWeight : QWeight {
         }
       }
     }
+    if (!has_halves(fmt)) keep_as_halves(scales, half_scales, nscales), keep_as_halves(mins, half_mins, nscales);
     if (b) {
       bias = static_cast<float*>(aligned(n * sizeof(float)));
       std::memcpy(bias, b, n * sizeof(float));
@@ -924,6 +938,12 @@ void* spn_linear_new(int format, int K, int N, const uint8_t* q, int64_t q_bytes
 }
 
 void spn_linear_free(void* h) { delete static_cast<OwnedWeight*>(h); }
+
+// How a product keeps its factors: bit 0 set when its scales are halves, bit 1 when its minimums are.
+int spn_linear_factors(void* h) {
+  const OwnedWeight* w = static_cast<OwnedWeight*>(h);
+  return (w->half_scales ? 1 : 0) | (w->half_mins ? 2 : 0);
+}
 
 // x: M * K floats (x_len), y: M * N floats (y_len).
 int spn_linear_run(void* h, int isa, int threads, int M, const float* x, int64_t x_len, float* y, int64_t y_len) {

@@ -73,7 +73,8 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
           int32_t isum[2] = {0, 0};
           for (int k = 0; k < kBlock; ++k) isum[k / 16] += weight_at(w, t, b, col, k) * qa[b * kBlock + k];
           const size_t at = (static_cast<size_t>(t) * w.blocks + b) * kTileN + col, ab = r * a.blocks + b;
-          const BlockFactors f{w.scales[at], w.hi_scales ? w.hi_scales[at] : 0.0f, w.mins ? w.mins[at] : 0.0f,
+          const BlockFactors f{factor_at(w.scales, w.half_scales, at), w.hi_scales ? w.hi_scales[at] : 0.0f,
+                               w.mins || w.half_mins ? factor_at(w.mins, w.half_mins, at) : 0.0f,
                                w.hi_mins ? w.hi_mins[at] : 0.0f};
           acc = block_step(w.format, isum[0], isum[1], a.corr[ab], a.lo_sum[ab], a.qsum[ab], f, a.scale[ab], acc);
         }
@@ -91,24 +92,43 @@ inline void store_tile(const QWeight& w, int t, const float* acc16, float* yrow)
   for (int i = 0; i < n; ++i) yrow[n0 + i] = w.bias ? acc16[i] + w.bias[n0 + i] : acc16[i];
 }
 
+// One tile's scales or minimums from `off`: floats, or halves (QWeight::half_scales, half_mins). The kernels read
+// 8 or 16 of them a block, widened to the same floats either way.
+struct Factors {
+  const float* f = nullptr;
+  const uint16_t* h = nullptr;
+};
+inline Factors tile_factors(const float* f, const uint16_t* h, size_t off) {
+  Factors p;
+  if (h) p.h = h + off;
+  else if (f) p.f = f + off;
+  return p;
+}
+__attribute__((target("avx2,f16c"))) inline __m256 factors8(const Factors& p, size_t i) {
+  return p.h ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.h + i))) : _mm256_loadu_ps(p.f + i);
+}
+__attribute__((target("avx512f"))) inline __m512 factors16(const Factors& p, size_t i) {
+  return p.h ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.h + i))) : _mm512_loadu_ps(p.f + i);
+}
+
 // ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd -> s32, on two 8-column halves ───────────────────
 // int4: the pairs are summed in s16 over the whole block (each pair within ±2·15·127 = ±3810, eight of them
 // within ±30480 < 2^15: no sum saturates), then one vpmaddwd widens them. int8: vpmaddubsw takes |w| and the
 // activation with w's sign (vpsignb), so a pair is within ±2·128·127 = ±32512; each group widens at once.
 template <int R, int F>
-__attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct& a, int r0, int t, float* y,
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const QWeight& w, const QAct& a, int r0, int t, float* y,
                                                     int ldy) {
   constexpr int TB = tile_bytes(F);
   const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
-  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  // the upper halves' scales (kQ8x16, kQ8x16Min), the minimums (of the lower halves: kQ8x16Min's) and the
-  // upper halves' minimums (kQ8x16Min)
+  // the scales, the upper halves' scales (kQ8x16, kQ8x16Min), the minimums (of the lower halves: kQ8x16Min's)
+  // and the upper halves' minimums (kQ8x16Min)
   const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
+  const Factors ws = tile_factors(w.scales, w.half_scales, off);
   const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
-  const float* wm = has_mins(F) ? w.mins + off : nullptr;
+  const Factors wm = tile_factors(w.mins, w.half_mins, off);
   const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
@@ -130,7 +150,9 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
         wh[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
       }
     }
-    __m256 wsl = _mm256_loadu_ps(ws + b * kTileN), wsh = _mm256_loadu_ps(ws + b * kTileN + 8);
+    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
+    __m256 wml = _mm256_setzero_ps(), wmh8 = _mm256_setzero_ps();
+    if (has_mins(F)) wml = factors8(wm, b * kTileN), wmh8 = factors8(wm, b * kTileN + 8);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int row = r0 + r;
@@ -171,8 +193,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
       hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
       if (F == kQ4Min || F == kQ8Min) {  // the minimums times the activations' scaled sum: one product a block
         const __m256 qsum = _mm256_set1_ps(a.qsum[row * a.blocks + b]);
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), qsum, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), qsum, hi[r]);
+        lo[r] = _mm256_fmadd_ps(wml, qsum, lo[r]);
+        hi[r] = _mm256_fmadd_ps(wmh8, qsum, hi[r]);
       }
       if (has_halves(F)) {
         lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl2), _mm256_mul_ps(_mm256_loadu_ps(whs + b * kTileN), as), lo[r]);
@@ -183,8 +205,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const QWeight& w, const QAct&
         const float s = a.scale[row * a.blocks + b];
         const __m256 alo = _mm256_set1_ps(s * static_cast<float>(lo_sum));
         const __m256 ahi = _mm256_set1_ps(s * static_cast<float>(corr / 8 - lo_sum));
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN), alo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * kTileN + 8), alo, hi[r]);
+        lo[r] = _mm256_fmadd_ps(wml, alo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(wmh8, alo, hi[r]);
         lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN), ahi, lo[r]);
         hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN + 8), ahi, hi[r]);
       }
@@ -209,10 +231,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
-  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
   const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;  // as tile_avx2's factors
+  const Factors ws = tile_factors(w.scales, w.half_scales, off);
   const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
-  const float* wm = has_mins(F) ? w.mins + off : nullptr;
+  const Factors wm = tile_factors(w.mins, w.half_mins, off);
   const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
   for (int b = 0; b < w.blocks; ++b) {
     // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
@@ -229,7 +251,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         wv[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       }
     }
-    __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
+    const __m512 wsv = factors16(ws, b * kTileN);
+    const __m512 wmv = has_mins(F) ? factors16(wm, b * kTileN) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int row = r0 + r;
@@ -250,8 +273,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_loadu_ps(whs + b * kTileN), as), acc[r]);
         if (F == kQ8x16Min) {  // each half's minimums times its activations' scaled sum
           const float sc = a.scale[row * a.blocks + b];
-          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(sc * static_cast<float>(lo_sum)),
-                                   acc[r]);
+          acc[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(sc * static_cast<float>(lo_sum)), acc[r]);
           acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wmh + b * kTileN),
                                    _mm512_set1_ps(sc * static_cast<float>(corr / 8 - lo_sum)), acc[r]);
         }
@@ -272,7 +294,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(wsv, as), acc[r]);
       if (has_mins(F))  // the minimums times the activations' scaled sum: one product per row and block
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
     }
   }
   alignas(64) float out[kTileN];
@@ -364,8 +386,9 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void amx_weights(c
 // Block b's float steps for the R rows from r0, from its tile of sums s: tile_vnni's.
 template <int R, int F>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void amx_steps(
-    __m512* acc, const QAct& a, int r0, int b, const int32_t* s, const float* ws, const float* wm) {
-  const __m512 wsv = _mm512_loadu_ps(ws + b * kTileN);
+    __m512* acc, const QAct& a, int r0, int b, const int32_t* s, const Factors& ws, const Factors& wm) {
+  const __m512 wsv = factors16(ws, b * kTileN);
+  const __m512 wmv = has_mins(F) ? factors16(wm, b * kTileN) : _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const int row = r0 + r;
@@ -373,7 +396,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline v
     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wsv, _mm512_set1_ps(a.scale[row * a.blocks + b])),
                              acc[r]);
     if (has_mins(F))
-      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * kTileN), _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(a.qsum[row * a.blocks + b]), acc[r]);
   }
 }
 
@@ -390,8 +413,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
-  const float* ws = w.scales + static_cast<size_t>(t) * w.blocks * kTileN;
-  const float* wm = has_mins(F) ? w.mins + static_cast<size_t>(t) * w.blocks * kTileN : nullptr;
+  const Factors ws = tile_factors(w.scales, w.half_scales, static_cast<size_t>(t) * w.blocks * kTileN);
+  const Factors wm = tile_factors(w.mins, w.half_mins, static_cast<size_t>(t) * w.blocks * kTileN);
   const int8_t* qa = a.q + static_cast<size_t>(r0) * a.blocks * kBlock;
   const long stride = static_cast<long>(a.blocks) * kBlock;
   const int groups = (w.blocks + 3) / 4;

@@ -26,6 +26,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace spn {
 
@@ -57,7 +58,52 @@ struct QWeight {
   float* hi_scales = nullptr; // kQ8x16, kQ8x16Min: the scales of the blocks' inputs 16..31, laid out as `scales`
   float* hi_mins = nullptr;   // kQ8x16Min: the minimums of the blocks' inputs 16..31, laid out as `scales`
   float* bias = nullptr;      // N or null
+  // The scales / minimums as IEEE halves instead (then `scales` / `mins` are null): where every one of a matrix's
+  // is a half exactly, as the GGUF blocks' d and m are, its load keeps them so (OwnedWeight::load). A half
+  // widens to the same float, so the products are bitwise the same; a pass streams 2 bytes a factor, not 4.
+  uint16_t* half_scales = nullptr;
+  uint16_t* half_mins = nullptr;
 };
+
+// IEEE binary16 to float, exactly (the scalar kernels' widening; vcvtph2ps gives the same).
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: man * 2^-24, normalized
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while (!(man & 0x400u));
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A float's bits as an IEEE half when the half holds it exactly (a finite value; -0 kept), else kNotHalf.
+constexpr uint32_t kNotHalf = 0x10000u;
+inline uint32_t float_to_half_exact(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  const int e = static_cast<int>(ax >> 23) - 127;
+  if (ax == 0) return sign;
+  if (ax >= 0x7f800000u || e > 15 || e < -24) return kNotHalf;  // infinite, NaN, or out of the halves' range
+  const uint32_t m = (ax & 0x7fffffu) | 0x800000u;  // 24 significant bits
+  const int drop = e >= -14 ? 13 : 13 + (-14 - e);  // a normal half keeps 11 of them, a subnormal fewer
+  if (m & ((1u << drop) - 1u)) return kNotHalf;
+  return e >= -14 ? sign | (static_cast<uint32_t>(e + 15) << 10) | ((m >> 13) & 0x3ffu) : sign | (m >> drop);
+}
+
+// Factor i of a scale or minimum array kept as floats (f) or as halves (h, when not null).
+inline float factor_at(const float* f, const uint16_t* h, size_t i) { return h ? half_to_float(h[i]) : f[i]; }
 
 // Activations of M rows quantized per row per block: q in [-127, 127], scale = absmax / 127.
 struct QAct {
