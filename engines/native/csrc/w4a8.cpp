@@ -220,6 +220,81 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const QWeight& w, const 
   }
 }
 
+// AVX2 for the int4 formats, rows on the inside: each 64-byte chunk of a block (two input groups of 16 columns)
+// is unpacked once and multiplied into every row's two 16-bit sums (columns 0-7, 8-15) while those stay in
+// registers; four rows' sums, the chunk's four unpacked groups and two broadcast activations fill the 16
+// registers. The rows' float sums live in memory (one load and store a row and block), so nothing else spills.
+// The integer sums are tile_avx2's and the float steps are its, in its order: the results are bitwise equal.
+constexpr int kAvx2Int4Rows = 4;
+template <int R, int F>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, const QAct& a, int r0, int t,
+                                                         float* y, int ldy) {
+  static_assert(!is_int8(F) && R <= kAvx2Int4Rows, "int4 formats, at most four rows");
+  constexpr int TB = tile_bytes(F);
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  alignas(32) float acc[R][kTileN] = {};
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
+  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
+  const Factors ws = tile_factors(w.scales, w.half_scales, off), wm = tile_factors(w.mins, w.half_mins, off);
+  const int8_t* qa[R];
+  const float *as[R], *qs[R];
+  const int32_t* corr[R];
+  for (int r = 0; r < R; ++r) {
+    const size_t row = static_cast<size_t>(r0 + r) * a.blocks;
+    qa[r] = a.q + row * kBlock, as[r] = a.scale + row, qs[r] = a.qsum + row, corr[r] = a.corr + row;
+  }
+  for (int b = 0; b < w.blocks; ++b) {
+    for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+    __m256i pl[R], ph[R];
+    for (int r = 0; r < R; ++r) pl[r] = ph[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64));
+      const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64 + 32));
+      const __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(v1, m4);  // group 2c
+      const __m256i l1 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);            // group 2c + 1
+      const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four0, four1;
+        std::memcpy(&four0, qa[r] + b * kBlock + 8 * c, 4);
+        std::memcpy(&four1, qa[r] + b * kBlock + 8 * c + 4, 4);
+        const __m256i a0 = _mm256_set1_epi32(four0), a1 = _mm256_set1_epi32(four1);
+        pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(l0, a0));
+        ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(h0, a0));
+        pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(l1, a1));
+        ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(h1, a1));
+        // the sums stay in registers: without this GCC re-associates them into one tree per block and spills
+        // every product to the stack
+        asm("" : "+x"(pl[r]), "+x"(ph[r]));
+      }
+    }
+    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
+    __m256 wml = _mm256_setzero_ps(), wmh = _mm256_setzero_ps();
+    if (F == kQ4Min) wml = factors8(wm, b * kTileN), wmh = factors8(wm, b * kTileN + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256i sl = _mm256_madd_epi16(pl[r], ones), sh = _mm256_madd_epi16(ph[r], ones);
+      if (F == kQ4) {
+        const __m256i zp = _mm256_set1_epi32(corr[r][b]);
+        sl = _mm256_sub_epi32(sl, zp), sh = _mm256_sub_epi32(sh, zp);
+      }
+      const __m256 scale = _mm256_set1_ps(as[r][b]);
+      __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, scale), _mm256_load_ps(acc[r]));
+      __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, scale), _mm256_load_ps(acc[r] + 8));
+      if (F == kQ4Min) {
+        const __m256 qsum = _mm256_set1_ps(qs[r][b]);
+        lo = _mm256_fmadd_ps(wml, qsum, lo);
+        hi = _mm256_fmadd_ps(wmh, qsum, hi);
+      }
+      _mm256_store_ps(acc[r], lo);
+      _mm256_store_ps(acc[r] + 8, hi);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile(w, t, acc[r], y + static_cast<size_t>(r0 + r) * ldy);
+}
+
 // ── AVX-512 VNNI: one vpdpbusd multiplies 4 inputs of 16 columns by a broadcast dword of activations ───────
 // (unsigned weights: int4 nibbles, or int8 stored as q + 128, whose offset the start value takes back out)
 template <int R, int F>
@@ -457,10 +532,14 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
   {nullptr,    fn<1, F>,  fn<2, F>,  fn<3, F>,  fn<4, F>,  fn<5, F>,  fn<6, F>,  fn<7, F>, fn<8, F>,                \
    fn<9, F>,   fn<10, F>, fn<11, F>, fn<12, F>, fn<13, F>, fn<14, F>, fn<15, F>, fn<16, F>}
 // AVX2 has 16 vector registers: 8 rows' two accumulators fill them; AVX-512 has 32, room for 16 rows' one
+// (the int4 formats: tile_avx2_int4's four rows, whose 16-bit sums stay in registers)
 constexpr int kAvx2Rows = 8, kVnniRows = 16;
-const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {SPN_TILES(tile_avx2, kQ4), SPN_TILES(tile_avx2, kQ4Min),
-                                                        SPN_TILES(tile_avx2, kQ8), SPN_TILES(tile_avx2, kQ8x16),
-                                                        SPN_TILES(tile_avx2, kQ8Min), SPN_TILES(tile_avx2, kQ8x16Min)};
+#define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, nullptr, nullptr, nullptr, nullptr}
+const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {
+    SPN_TILES4(tile_avx2_int4, kQ4), SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES(tile_avx2, kQ8),
+    SPN_TILES(tile_avx2, kQ8x16),    SPN_TILES(tile_avx2, kQ8Min),       SPN_TILES(tile_avx2, kQ8x16Min)};
+#undef SPN_TILES4
+constexpr int avx2_rows(int format) { return is_int8(format) ? kAvx2Rows : kAvx2Int4Rows; }
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
@@ -548,7 +627,7 @@ void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, i
   switch (isa) {
 #ifdef SPN_X86
     case kAvx2:
-      gemm_tiles(kAvx2Tiles[w.format], kAvx2Rows, w, a, y, ldy, t0, t1);
+      gemm_tiles(kAvx2Tiles[w.format], avx2_rows(w.format), w, a, y, ldy, t0, t1);
       return;
     case kAvx512Vnni:
       gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
