@@ -225,7 +225,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const QWeight& w, const 
 // registers; four rows' sums, the chunk's four unpacked groups and two broadcast activations fill the 16
 // registers. The rows' float sums live in memory (one load and store a row and block), so nothing else spills.
 // The integer sums are tile_avx2's and the float steps are its, in its order: the results are bitwise equal.
-constexpr int kAvx2Int4Rows = 4;
+constexpr int kAvx2Int4Rows = 4;  // (and tile_avx2_int8's)
 template <int R, int F>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, const QAct& a, int r0, int t,
                                                          float* y, int ldy) {
@@ -284,6 +284,67 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, c
       __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, scale), _mm256_load_ps(acc[r]));
       __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, scale), _mm256_load_ps(acc[r] + 8));
       if (F == kQ4Min) {
+        const __m256 qsum = _mm256_set1_ps(qs[r][b]);
+        lo = _mm256_fmadd_ps(wml, qsum, lo);
+        hi = _mm256_fmadd_ps(wmh, qsum, hi);
+      }
+      _mm256_store_ps(acc[r], lo);
+      _mm256_store_ps(acc[r] + 8, hi);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile(w, t, acc[r], y + static_cast<size_t>(r0 + r) * ldy);
+}
+
+// AVX2 for kQ8 and kQ8Min, rows on the inside as tile_avx2_int4: each input group's two 8-column halves are read
+// once (their magnitudes and signs) and multiplied into every row's two 32-bit sums, kept in registers. The
+// products are tile_avx2's (vpmaddubsw of |w| and the activations signed by w, widened at once), so the rows are
+// bitwise its rows.
+template <int R, int F>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QWeight& w, const QAct& a, int r0, int t,
+                                                         float* y, int ldy) {
+  static_assert((F == kQ8 || F == kQ8Min) && R <= kAvx2Int4Rows, "int8 with one scale a block, at most four rows");
+  constexpr int TB = tile_bytes(F);
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  alignas(32) float acc[R][kTileN] = {};
+  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
+  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
+  const Factors ws = tile_factors(w.scales, w.half_scales, off), wm = tile_factors(w.mins, w.half_mins, off);
+  const int8_t* qa[R];
+  const float *as[R], *qs[R];
+  for (int r = 0; r < R; ++r) {
+    const size_t row = static_cast<size_t>(r0 + r) * a.blocks;
+    qa[r] = a.q + row * kBlock, as[r] = a.scale + row, qs[r] = a.qsum + row;
+  }
+  for (int b = 0; b < w.blocks; ++b) {
+    for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
+      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+    __m256i sl[R], sh[R];
+    for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i wl = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
+      const __m256i wh = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)),
+                                          flip);
+      const __m256i ml = _mm256_abs_epi8(wl), mh = _mm256_abs_epi8(wh);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, qa[r] + b * kBlock + 4 * g, 4);
+        const __m256i av = _mm256_set1_epi32(four);
+        sl[r] = _mm256_add_epi32(sl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ml, _mm256_sign_epi8(av, wl)), ones));
+        sh[r] = _mm256_add_epi32(sh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mh, _mm256_sign_epi8(av, wh)), ones));
+        asm("" : "+x"(sl[r]), "+x"(sh[r]));  // as tile_avx2_int4: the sums stay in registers
+      }
+    }
+    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
+    __m256 wml = _mm256_setzero_ps(), wmh = _mm256_setzero_ps();
+    if (F == kQ8Min) wml = factors8(wm, b * kTileN), wmh = factors8(wm, b * kTileN + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(as[r][b]);
+      __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[r]), _mm256_mul_ps(wsl, scale), _mm256_load_ps(acc[r]));
+      __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[r]), _mm256_mul_ps(wsh, scale), _mm256_load_ps(acc[r] + 8));
+      if (F == kQ8Min) {
         const __m256 qsum = _mm256_set1_ps(qs[r][b]);
         lo = _mm256_fmadd_ps(wml, qsum, lo);
         hi = _mm256_fmadd_ps(wmh, qsum, hi);
@@ -536,10 +597,10 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 constexpr int kAvx2Rows = 8, kVnniRows = 16;
 #define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, nullptr, nullptr, nullptr, nullptr}
 const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {
-    SPN_TILES4(tile_avx2_int4, kQ4), SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES(tile_avx2, kQ8),
-    SPN_TILES(tile_avx2, kQ8x16),    SPN_TILES(tile_avx2, kQ8Min),       SPN_TILES(tile_avx2, kQ8x16Min)};
+    SPN_TILES4(tile_avx2_int4, kQ4), SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES4(tile_avx2_int8, kQ8),
+    SPN_TILES(tile_avx2, kQ8x16),    SPN_TILES4(tile_avx2_int8, kQ8Min), SPN_TILES(tile_avx2, kQ8x16Min)};
 #undef SPN_TILES4
-constexpr int avx2_rows(int format) { return is_int8(format) ? kAvx2Rows : kAvx2Int4Rows; }
+constexpr int avx2_rows(int format) { return has_halves(format) ? kAvx2Rows : kAvx2Int4Rows; }
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
