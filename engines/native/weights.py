@@ -124,7 +124,18 @@ def _nbits(node: onnx.NodeProto, inits: dict, path: Path) -> Linear:
     scales = scales[..., 0]
     if zp is None:
         return Linear(k, n, q, scales)
-    return Linear(k, n, q, scales, format="q4_min", mins=(-zp.reshape(n, blocks) * scales).astype(np.float32))
+    return Linear(k, n, q, scales, format="q4_min", mins=file_minimums((-zp.reshape(n, blocks) * scales).astype(np.float32)))
+
+
+def file_minimums(mins: np.ndarray) -> np.ndarray:
+    """A q4_min node's minimums, read back as -z·d: each within a float32 ulp of the model file's own m
+    (export/quantize.py exact_zero_points). A GGUF Q4_1 block's m is a half, so where every one of them is that
+    close to a half, the halves are the file's minimums exactly, and the library keeps them as halves (2 bytes
+    each streamed). Elsewhere (Q4_K's dmin·m_j: not halves) they stay as read."""
+    with np.errstate(over="ignore"):
+        halves = mins.astype(np.float16).astype(np.float32)
+    near = np.isfinite(halves) & (np.abs(mins - halves) <= np.spacing(np.abs(mins)))
+    return halves if near.all() else mins
 
 
 def int4_projection(path: Path, inits: dict, by_weight: dict, weight: str) -> Linear:
