@@ -31,8 +31,9 @@ from specrt.runtime.clock import Clock
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 11, 16)  # window sizes measured: chains of 0..4 drafts, trees up to 15 nodes
 CONTEXT = 128  # KV rows before the measured window
-# bump when what is measured changes: older cache files are measured again (2: sizes in turns, fastest pass)
-VERSION = 2
+# bump when what is measured changes: older cache files are measured again (2: sizes in turns, fastest pass;
+# 3: ratios to the round's one-row pass, their median)
+VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,15 @@ class CostCurve:
         return cls(tuple(d["rows"]), tuple(d["seconds"]))
 
 
-def measure(decoder, vocab: int, rows: Sequence[int] = ROWS, repeats: int = 7, warmup: int = 2,
+def measure(decoder, vocab: int, rows: Sequence[int] = ROWS, repeats: int = 11, warmup: int = 2,
             context: int = CONTEXT, clock: Clock | None = None, seed: int = 0) -> CostCurve:
     """Time chain windows of each size in `rows` after `context` prompt rows on `decoder` (a Decoder, slot 0;
-    its KV rows 0..context+max(rows) are overwritten): the fastest of `repeats` passes each, after `warmup`.
-    The sizes take turns (1, 2, 4, ..., then again), so a stretch when other work shares the CPU slows every
-    size alike, and the fastest pass of each is what the pass costs when it has the CPU: a curve measured on a
-    busy machine is cached and sizes drafts long after the load has gone."""
+    its KV rows 0..context+max(rows) are overwritten), `repeats` rounds after `warmup`. The sizes take turns
+    (1, 2, 4, ..., then again), so a stretch when other work shares the CPU slows a round's sizes alike. A
+    one-row pass costs its fastest; each other size, that times the median over the rounds of its pass over
+    the same round's one-row pass. A curve measured on a busy or drifting machine is cached and sizes drafts
+    long after, so neither a slow stretch nor a lucky pass may bend it: ratios taken within a round cancel the
+    stretch, and their median drops the rounds a stretch began or ended in."""
     import time
 
     from specrt.runtime.sequence import Pass, pack_windows
@@ -102,8 +105,11 @@ def measure(decoder, vocab: int, rows: Sequence[int] = ROWS, repeats: int = 7, w
             run(window, context)
             if i >= warmup:
                 times[j].append(clock() - t0)
+    one = np.asarray(times[0])
+    fastest = float(one.min())
+    seconds = [fastest if j == 0 else fastest * float(np.median(np.asarray(t) / one)) for j, t in enumerate(times)]
     # 0.1 µs: what the cache keeps
-    return CostCurve(tuple(rows), tuple(max(round(float(min(t)), 7), 1e-7) for t in times))
+    return CostCurve(tuple(rows), tuple(max(round(s, 7), 1e-7) for s in seconds))
 
 
 def key(bundle: Path, manifest, threads: int, backend: str, mode: str) -> str:

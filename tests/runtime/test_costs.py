@@ -72,6 +72,30 @@ def test_a_busy_stretch_does_not_bend_the_curve():
     assert [n for n, _ in dec.calls[1:5]] == [1, 2, 4, 8]  # one of each size, then again
 
 
+def test_a_drifting_machine_and_a_lucky_pass_do_not_bend_the_curve():
+    """The VM's speed drifts from round to round (each round's passes 1-2x slower alike) and one 4-row pass
+    runs at half its cost: each size's ratio to its round's one-row pass, their median, gives the quiet curve
+    (the fastest pass of each size would take the lucky one, and the rounds where a size ran slowest)."""
+    clock = FakeClock()
+    dec = _PacedDecoder(clock, lambda n: 0.0)
+    quiet = lambda n: 0.002 + 0.0005 * max(n - 2, 0)  # noqa: E731
+    pace = [1.0, 1.7, 1.3, 2.0, 1.1, 1.5, 1.9]  # one per round, the warm-up's first
+    lucky = {}
+
+    def cost(n):
+        i = len(dec.calls) - 2  # this window pass: 0 is the warm-up round's first
+        factor = pace[i // 4]
+        if n == 4 and i // 4 == 3:
+            lucky[n] = 0.5
+            factor *= 0.5
+        return quiet(n) * factor
+
+    dec.cost = cost
+    curve = measure(dec, 100, rows=(1, 2, 4, 8), repeats=6, warmup=1, context=16, clock=clock)
+    assert lucky  # the lucky pass ran
+    assert curve.seconds == pytest.approx(tuple(quiet(n) * 1.1 for n in (1, 2, 4, 8)))
+
+
 def test_a_curve_measured_the_old_way_is_measured_again(tiny_bundle, monkeypatch):
     """The way of measuring is part of the cache key: a curve cached by an older version is not read."""
     from specrt.runtime import costs
