@@ -111,125 +111,18 @@ __attribute__((target("avx512f"))) inline __m512 factors16(const Factors& p, siz
   return p.h ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.h + i))) : _mm512_loadu_ps(p.f + i);
 }
 
-// ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd -> s32, on two 8-column halves ───────────────────
-// int4: the pairs are summed in s16 over the whole block (each pair within ±2·15·127 = ±3810, eight of them
-// within ±30480 < 2^15: no sum saturates), then one vpmaddwd widens them. int8: vpmaddubsw takes |w| and the
-// activation with w's sign (vpsignb), so a pair is within ±2·128·127 = ±32512; each group widens at once.
-template <int R, int F>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const QWeight& w, const QAct& a, int r0, int t, float* y,
-                                                    int ldy) {
-  constexpr int TB = tile_bytes(F);
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
-  __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
-  // the scales, the upper halves' scales (kQ8x16, kQ8x16Min), the minimums (of the lower halves: kQ8x16Min's)
-  // and the upper halves' minimums (kQ8x16Min)
-  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
-  const Factors ws = tile_factors(w.scales, w.half_scales, off);
-  const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
-  const Factors wm = tile_factors(w.mins, w.half_mins, off);
-  const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
-  for (int b = 0; b < w.blocks; ++b) {
-    for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
-      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
-    __m256i wl[8], wh[8];  // columns 0-7 and 8-15 of the 8 input groups (int8: signed)
-    if (is_int8(F)) {
-      for (int g = 0; g < 8; ++g) {
-        wl[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
-        wh[g] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)),
-                                 flip);
-      }
-    } else {
-      for (int c = 0; c < 4; ++c) {
-        __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64));
-        __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + c * 64 + 32));
-        wl[2 * c] = _mm256_and_si256(v0, m4);
-        wl[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-        wh[2 * c] = _mm256_and_si256(v1, m4);
-        wh[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-      }
-    }
-    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
-    __m256 wml = _mm256_setzero_ps(), wmh8 = _mm256_setzero_ps();
-    if (has_mins(F)) wml = factors8(wm, b * kTileN), wmh8 = factors8(wm, b * kTileN + 8);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int row = r0 + r;
-      const int8_t* qa = a.q + (static_cast<size_t>(row) * a.blocks + b) * kBlock;
-      const int32_t corr = a.corr[row * a.blocks + b];
-      __m256i sl, sh, sl2 = _mm256_setzero_si256(), sh2 = _mm256_setzero_si256();  // sl2, sh2: the upper half's
-      if (is_int8(F)) {
-        sl = sh = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {
-          int32_t four;
-          std::memcpy(&four, qa + 4 * g, 4);
-          __m256i av = _mm256_set1_epi32(four);
-          __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wl[g]), _mm256_sign_epi8(av, wl[g])), ones);
-          __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wh[g]), _mm256_sign_epi8(av, wh[g])), ones);
-          if (has_halves(F) && g >= 4) {
-            sl2 = _mm256_add_epi32(sl2, pl), sh2 = _mm256_add_epi32(sh2, ph);
-          } else {
-            sl = _mm256_add_epi32(sl, pl), sh = _mm256_add_epi32(sh, ph);
-          }
-        }
-      } else {
-        __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {
-          int32_t four;
-          std::memcpy(&four, qa + 4 * g, 4);
-          __m256i av = _mm256_set1_epi32(four);
-          pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wl[g], av));
-          ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(wh[g], av));
-        }
-        sl = _mm256_madd_epi16(pl, ones), sh = _mm256_madd_epi16(ph, ones);
-        if (F == kQ4) {
-          __m256i zp = _mm256_set1_epi32(corr);
-          sl = _mm256_sub_epi32(sl, zp), sh = _mm256_sub_epi32(sh, zp);
-        }
-      }
-      __m256 as = _mm256_set1_ps(a.scale[row * a.blocks + b]);
-      lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(wsl, as), lo[r]);
-      hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(wsh, as), hi[r]);
-      if (F == kQ4Min || F == kQ8Min) {  // the minimums times the activations' scaled sum: one product a block
-        const __m256 qsum = _mm256_set1_ps(a.qsum[row * a.blocks + b]);
-        lo[r] = _mm256_fmadd_ps(wml, qsum, lo[r]);
-        hi[r] = _mm256_fmadd_ps(wmh8, qsum, hi[r]);
-      }
-      if (has_halves(F)) {
-        lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl2), _mm256_mul_ps(_mm256_loadu_ps(whs + b * kTileN), as), lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh2), _mm256_mul_ps(_mm256_loadu_ps(whs + b * kTileN + 8), as), hi[r]);
-      }
-      if (F == kQ8x16Min) {  // each half's minimums times its activations' scaled sum
-        const int32_t lo_sum = a.lo_sum[row * a.blocks + b];
-        const float s = a.scale[row * a.blocks + b];
-        const __m256 alo = _mm256_set1_ps(s * static_cast<float>(lo_sum));
-        const __m256 ahi = _mm256_set1_ps(s * static_cast<float>(corr / 8 - lo_sum));
-        lo[r] = _mm256_fmadd_ps(wml, alo, lo[r]);
-        hi[r] = _mm256_fmadd_ps(wmh8, alo, hi[r]);
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN), ahi, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN + 8), ahi, hi[r]);
-      }
-    }
-  }
-  alignas(32) float out[kTileN];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(out, lo[r]);
-    _mm256_store_ps(out + 8, hi[r]);
-    store_tile(w, t, out, y + static_cast<size_t>(r0 + r) * ldy);
-  }
-}
-
-// AVX2 for the int4 formats, rows on the inside: each 64-byte chunk of a block (two input groups of 16 columns)
-// is unpacked once and multiplied into every row's two 16-bit sums (columns 0-7, 8-15) while those stay in
-// registers; four rows' sums, the chunk's four unpacked groups and two broadcast activations fill the 16
-// registers. The rows' float sums live in memory (one load and store a row and block), so nothing else spills.
-// The integer sums are tile_avx2's and the float steps are its, in its order: the results are bitwise equal.
-constexpr int kAvx2Int4Rows = 4;  // (and tile_avx2_int8's)
+// ── AVX2: vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd -> s32, on two 8-column halves, rows on the inside ──
+// int4: each 64-byte chunk of a block (two input groups of 16 columns) is unpacked once and multiplied into every
+// row's two 16-bit sums (columns 0-7, 8-15) while those stay in registers; four rows' sums, the chunk's four
+// unpacked groups and two broadcast activations fill the 16 registers. The pairs are summed in s16 over the whole
+// block (each pair within ±2·15·127 = ±3810, eight of them within ±30480 < 2^15: no sum saturates), then one
+// vpmaddwd widens them. The rows' float sums live in memory (one load and store a row and block), so nothing else
+// spills. The integer sums are exact and the float steps are w4a8.h's, in its order: bitwise the reference.
+constexpr int kAvx2Rows = 4;  // rows of a tile, int4 and int8
 template <int R, int F>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, const QAct& a, int r0, int t,
                                                          float* y, int ldy) {
-  static_assert(!is_int8(F) && R <= kAvx2Int4Rows, "int4 formats, at most four rows");
+  static_assert(!is_int8(F) && R <= kAvx2Rows, "int4 formats, at most four rows");
   constexpr int TB = tile_bytes(F);
   const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   alignas(32) float acc[R][kTileN] = {};
@@ -295,59 +188,88 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, c
   for (int r = 0; r < R; ++r) store_tile(w, t, acc[r], y + static_cast<size_t>(r0 + r) * ldy);
 }
 
-// AVX2 for kQ8 and kQ8Min, rows on the inside as tile_avx2_int4: each input group's two 8-column halves are read
-// once (their magnitudes and signs) and multiplied into every row's two 32-bit sums, kept in registers. The
-// products are tile_avx2's (vpmaddubsw of |w| and the activations signed by w, widened at once), so the rows are
-// bitwise its rows.
+// int8, rows on the inside as tile_avx2_int4: each input group's two 8-column halves are read once (their
+// magnitudes and signs) and multiplied into every row's two 32-bit sums, kept in registers. vpmaddubsw takes |w|
+// and the activation with w's sign (vpsignb), so a pair is within ±2·128·127 = ±32512; each group widens at once.
+// The half-block formats (kQ8x16, kQ8x16Min) run groups 0-3, take the lower half's float step, then groups 4-7
+// and the upper half's: w4a8.h's order.
 template <int R, int F>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QWeight& w, const QAct& a, int r0, int t,
                                                          float* y, int ldy) {
-  static_assert((F == kQ8 || F == kQ8Min) && R <= kAvx2Int4Rows, "int8 with one scale a block, at most four rows");
+  static_assert(is_int8(F) && R <= kAvx2Rows, "int8 formats, at most four rows");
   constexpr int TB = tile_bytes(F);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   alignas(32) float acc[R][kTileN] = {};
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
   const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;
   const Factors ws = tile_factors(w.scales, w.half_scales, off), wm = tile_factors(w.mins, w.half_mins, off);
+  const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;  // the upper halves' scales and minimums
+  const float* wmh = F == kQ8x16Min ? w.hi_mins + off : nullptr;
   const int8_t* qa[R];
   const float *as[R], *qs[R];
+  const int32_t *corr[R], *lo_sum[R];
   for (int r = 0; r < R; ++r) {
     const size_t row = static_cast<size_t>(r0 + r) * a.blocks;
-    qa[r] = a.q + row * kBlock, as[r] = a.scale + row, qs[r] = a.qsum + row;
+    qa[r] = a.q + row * kBlock, as[r] = a.scale + row, qs[r] = a.qsum + row, corr[r] = a.corr + row;
+    lo_sum[r] = a.lo_sum + row;
   }
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
       _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
-    __m256i sl[R], sh[R];
-    for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm256_setzero_si256();
+    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
+    // the groups of each half block (kQ8x16, kQ8x16Min) or of the whole block: every row's sums over them,
+    // then each row's float step with that part's scales
+    constexpr int parts = has_halves(F) ? 2 : 1;
+    for (int part = 0; part < parts; ++part) {
+      const int g0 = part * 8 / parts, g1 = (part + 1) * 8 / parts;
+      const __m256 lo_scale = part ? _mm256_loadu_ps(whs + b * kTileN) : wsl;
+      const __m256 hi_scale = part ? _mm256_loadu_ps(whs + b * kTileN + 8) : wsh;
+      __m256i sl[R], sh[R];
+      for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      const __m256i wl = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
-      const __m256i wh = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)),
-                                          flip);
-      const __m256i ml = _mm256_abs_epi8(wl), mh = _mm256_abs_epi8(wh);
+      for (int g = g0; g < g1; ++g) {
+        const __m256i wl =
+            _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64)), flip);
+        const __m256i wh =
+            _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(wp + b * TB + g * 64 + 32)), flip);
+        const __m256i ml = _mm256_abs_epi8(wl), mh = _mm256_abs_epi8(wh);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, qa[r] + b * kBlock + 4 * g, 4);
+          const __m256i av = _mm256_set1_epi32(four);
+          sl[r] = _mm256_add_epi32(sl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ml, _mm256_sign_epi8(av, wl)), ones));
+          sh[r] = _mm256_add_epi32(sh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mh, _mm256_sign_epi8(av, wh)), ones));
+          asm("" : "+x"(sl[r]), "+x"(sh[r]));  // as tile_avx2_int4: the sums stay in registers
+        }
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, qa[r] + b * kBlock + 4 * g, 4);
-        const __m256i av = _mm256_set1_epi32(four);
-        sl[r] = _mm256_add_epi32(sl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ml, _mm256_sign_epi8(av, wl)), ones));
-        sh[r] = _mm256_add_epi32(sh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mh, _mm256_sign_epi8(av, wh)), ones));
-        asm("" : "+x"(sl[r]), "+x"(sh[r]));  // as tile_avx2_int4: the sums stay in registers
+        const __m256 scale = _mm256_set1_ps(as[r][b]);
+        _mm256_store_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[r]), _mm256_mul_ps(lo_scale, scale),
+                                                _mm256_load_ps(acc[r])));
+        _mm256_store_ps(acc[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[r]), _mm256_mul_ps(hi_scale, scale),
+                                                    _mm256_load_ps(acc[r] + 8)));
       }
     }
-    const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
-    __m256 wml = _mm256_setzero_ps(), wmh = _mm256_setzero_ps();
-    if (F == kQ8Min) wml = factors8(wm, b * kTileN), wmh = factors8(wm, b * kTileN + 8);
+    if (!has_mins(F)) continue;
+    const __m256 wml = factors8(wm, b * kTileN), wmh8 = factors8(wm, b * kTileN + 8);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_set1_ps(as[r][b]);
-      __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl[r]), _mm256_mul_ps(wsl, scale), _mm256_load_ps(acc[r]));
-      __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh[r]), _mm256_mul_ps(wsh, scale), _mm256_load_ps(acc[r] + 8));
+    for (int r = 0; r < R; ++r) {  // the minimums' terms: kQ8Min's one, kQ8x16Min's lower then upper half's
+      __m256 lo = _mm256_load_ps(acc[r]), hi = _mm256_load_ps(acc[r] + 8);
       if (F == kQ8Min) {
         const __m256 qsum = _mm256_set1_ps(qs[r][b]);
         lo = _mm256_fmadd_ps(wml, qsum, lo);
-        hi = _mm256_fmadd_ps(wmh, qsum, hi);
+        hi = _mm256_fmadd_ps(wmh8, qsum, hi);
+      } else {
+        const float sc = as[r][b];
+        const int32_t low = lo_sum[r][b];
+        const __m256 alo = _mm256_set1_ps(sc * static_cast<float>(low));
+        const __m256 ahi = _mm256_set1_ps(sc * static_cast<float>(corr[r][b] / 8 - low));
+        lo = _mm256_fmadd_ps(wml, alo, lo);
+        hi = _mm256_fmadd_ps(wmh8, alo, hi);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN), ahi, lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(wmh + b * kTileN + 8), ahi, hi);
       }
       _mm256_store_ps(acc[r], lo);
       _mm256_store_ps(acc[r] + 8, hi);
@@ -367,7 +289,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.packed + static_cast<size_t>(t) * w.blocks * TB;
-  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;  // as tile_avx2's factors
+  const size_t off = static_cast<size_t>(t) * w.blocks * kTileN;  // as tile_avx2_int4's factors
   const Factors ws = tile_factors(w.scales, w.half_scales, off);
   const float* whs = has_halves(F) ? w.hi_scales + off : nullptr;
   const Factors wm = tile_factors(w.mins, w.half_mins, off);
@@ -592,15 +514,14 @@ using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 #define SPN_TILES16(fn, F)                                                                                          \
   {nullptr,    fn<1, F>,  fn<2, F>,  fn<3, F>,  fn<4, F>,  fn<5, F>,  fn<6, F>,  fn<7, F>, fn<8, F>,                \
    fn<9, F>,   fn<10, F>, fn<11, F>, fn<12, F>, fn<13, F>, fn<14, F>, fn<15, F>, fn<16, F>}
-// AVX2 has 16 vector registers: 8 rows' two accumulators fill them; AVX-512 has 32, room for 16 rows' one
-// (the int4 formats: tile_avx2_int4's four rows, whose 16-bit sums stay in registers)
-constexpr int kAvx2Rows = 8, kVnniRows = 16;
-#define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, nullptr, nullptr, nullptr, nullptr}
+// AVX2 has 16 vector registers: four rows' two sums, with what they multiply (above); AVX-512 has 32, room for 16
+// rows' one accumulator
+constexpr int kVnniRows = 16;
+#define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>}
 const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {
-    SPN_TILES4(tile_avx2_int4, kQ4), SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES4(tile_avx2_int8, kQ8),
-    SPN_TILES(tile_avx2, kQ8x16),    SPN_TILES4(tile_avx2_int8, kQ8Min), SPN_TILES(tile_avx2, kQ8x16Min)};
+    SPN_TILES4(tile_avx2_int4, kQ4),    SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES4(tile_avx2_int8, kQ8),
+    SPN_TILES4(tile_avx2_int8, kQ8x16), SPN_TILES4(tile_avx2_int8, kQ8Min), SPN_TILES4(tile_avx2_int8, kQ8x16Min)};
 #undef SPN_TILES4
-constexpr int avx2_rows(int format) { return has_halves(format) ? kAvx2Rows : kAvx2Int4Rows; }
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
@@ -688,7 +609,7 @@ void gemm(Isa isa, const QWeight& w, const QAct& a, float* y, int ldy, int t0, i
   switch (isa) {
 #ifdef SPN_X86
     case kAvx2:
-      gemm_tiles(kAvx2Tiles[w.format], avx2_rows(w.format), w, a, y, ldy, t0, t1);
+      gemm_tiles(kAvx2Tiles[w.format], kAvx2Rows, w, a, y, ldy, t0, t1);
       return;
     case kAvx512Vnni:
       gemm_tiles(kVnniTiles[w.format], kVnniRows, w, a, y, ldy, t0, t1);
