@@ -65,10 +65,16 @@ struct OwnedWeight : QWeight {
   static void keep_as_halves(float*& f, uint16_t*& h, size_t n) {
     const char* env = std::getenv("SPECRT_NATIVE_HALF_FACTORS");
     if (!f || (env && std::strcmp(env, "0") == 0)) return;
-    for (size_t i = 0; i < n; ++i)
-      if (float_to_half_exact(f[i]) == kNotHalf) return;
     h = static_cast<uint16_t*>(aligned(n * sizeof(uint16_t)));
-    for (size_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(float_to_half_exact(f[i]));
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t v = float_to_half_exact(f[i]);
+      if (v == kNotHalf) {
+        free(h);
+        h = nullptr;
+        return;
+      }
+      h[i] = static_cast<uint16_t>(v);
+    }
     free(f);
     f = nullptr;
   }

@@ -510,18 +510,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
 
 using TileFn = void (*)(const QWeight&, const QAct&, int, int, float*, int);
 
-#define SPN_TILES(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>, fn<5, F>, fn<6, F>, fn<7, F>, fn<8, F>}
+#define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>}
 #define SPN_TILES16(fn, F)                                                                                          \
   {nullptr,    fn<1, F>,  fn<2, F>,  fn<3, F>,  fn<4, F>,  fn<5, F>,  fn<6, F>,  fn<7, F>, fn<8, F>,                \
    fn<9, F>,   fn<10, F>, fn<11, F>, fn<12, F>, fn<13, F>, fn<14, F>, fn<15, F>, fn<16, F>}
 // AVX2 has 16 vector registers: four rows' two sums, with what they multiply (above); AVX-512 has 32, room for 16
 // rows' one accumulator
 constexpr int kVnniRows = 16;
-#define SPN_TILES4(fn, F) {nullptr, fn<1, F>, fn<2, F>, fn<3, F>, fn<4, F>}
 const TileFn kAvx2Tiles[kFormatCount][kAvx2Rows + 1] = {
     SPN_TILES4(tile_avx2_int4, kQ4),    SPN_TILES4(tile_avx2_int4, kQ4Min), SPN_TILES4(tile_avx2_int8, kQ8),
     SPN_TILES4(tile_avx2_int8, kQ8x16), SPN_TILES4(tile_avx2_int8, kQ8Min), SPN_TILES4(tile_avx2_int8, kQ8x16Min)};
-#undef SPN_TILES4
 const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
     SPN_TILES16(tile_vnni, kQ4), SPN_TILES16(tile_vnni, kQ4Min), SPN_TILES16(tile_vnni, kQ8),
     SPN_TILES16(tile_vnni, kQ8x16), SPN_TILES16(tile_vnni, kQ8Min), SPN_TILES16(tile_vnni, kQ8x16Min)};
@@ -533,7 +531,7 @@ const TileFn kVnniTiles[kFormatCount][kVnniRows + 1] = {
 const TileFn kAmxTiles[kFormatCount][kAmxRows + 1] = {SPN_AMX(kQ4),    SPN_AMX(kQ4Min), SPN_AMX(kQ8),
                                                       {},              SPN_AMX(kQ8Min), {}};
 #undef SPN_AMX
-#undef SPN_TILES
+#undef SPN_TILES4
 #undef SPN_TILES16
 
 // Each tile's rows in groups of up to `per` (the table's largest), one unpacked weight block shared by a group.
