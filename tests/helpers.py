@@ -27,6 +27,18 @@ FAMILY_OVERRIDES = {
 }
 
 
+def share_native_kernels(home: Path) -> Path:
+    """Make `home` (a fresh $SPECRT_HOME) find this checkout's compiled native kernels: its cache/native links to
+    the current home's, built first if need be. A test of an empty home then does not compile them again (~40 s
+    on two cores); the compile itself is tested in tests/engines/test_native_failsafe.py."""
+    from specrt.engines.native import library
+
+    built = library.build().parent.parent  # <home>/cache/native
+    (home / "cache").mkdir(parents=True, exist_ok=True)
+    (home / "cache" / "native").symlink_to(built, target_is_directory=True)
+    return home
+
+
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -17,11 +17,13 @@ from specrt.runtime.generate import Generator
 from specrt.runtime.machine import Fingerprint
 from specrt.runtime.tree import Tree
 from specrt.schema.manifest import Manifest
+from tests.helpers import share_native_kernels
 
 
 @pytest.fixture()
 def home(tmp_path, monkeypatch):
-    """A fresh $SPECRT_HOME: no machine cache yet."""
+    """A fresh $SPECRT_HOME: no machine cache yet (the compiled native kernels aside)."""
+    share_native_kernels(tmp_path / "home")
     monkeypatch.setenv("SPECRT_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
 
@@ -97,7 +99,7 @@ def test_export_records_this_machine_and_load_uses_it(tiny_bundle, home):
     assert key in m.artifacts["exactness"], list(m.artifacts["exactness"])
     e = exactness.resolve(tiny_bundle, m, threads=2)
     assert e.source == "bundle record" and e.lossless and e.mode.name == m.artifacts["exactness"][key]["chosen"]
-    assert not (home / "cache").exists()
+    assert [p.name for p in (home / "cache").iterdir()] == ["native"]  # no exactness measured, nothing cached
 
 
 def test_another_machine_measures_once_then_reads_its_cache(tiny_bundle, home):
