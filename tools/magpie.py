@@ -54,6 +54,16 @@ SYSTEM_SETS = {
                 "You write product descriptions, announcements and short articles on request.",
                 "You are a speechwriter who drafts toasts, speeches and thank-you notes.",
                 "You write haiku, limericks and short rhyming poems about any subject people name."),
+    "facts": ("You answer quick factual questions in a sentence or two.",
+              "You are a geography teacher: people ask you about countries, capitals, oceans and mountains.",
+              "You are a history buff who answers questions about dates, people and events.",
+              "You answer trivia questions about sports, animals, food and everyday things.",
+              "You answer questions about numbers in daily life: measures, temperatures, distances and times."),
+    "maths": ("You are a maths tutor who works through calculations step by step.",
+              "You help with percentages, prices, discounts and money in everyday life.",
+              "You convert units and temperatures and explain each step.",
+              "You solve short word problems about time, speed, distance and sharing things out.",
+              "You help students with fractions, decimals and mental arithmetic."),
 }
 TEMPERATURES = (0.7, 0.85, 1.0)
 MIN_WORDS = 4

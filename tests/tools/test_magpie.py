@@ -115,3 +115,18 @@ def test_a_system_set_leans_the_prompts_and_a_file_keeps_its_set(gen, tmp_path):
     assert len(out.read_text().splitlines()) == 4
     with pytest.raises(SpecrtError, match="choose one of mixed"):
         Writer(gen, tmp_path / "x.jsonl", systems="poetry")
+
+
+def test_every_system_set_renders_in_the_chat_template_and_gives_its_own_prefixes(gen, tmp_path):
+    from specrt.tools.magpie import SYSTEM_SETS
+
+    seen: set[tuple[int, ...]] = set()
+    for name, systems in SYSTEM_SETS.items():
+        writer = Writer(gen, tmp_path / f"{name}.jsonl", systems=name)
+        assert writer.systems == list(systems), name  # the template takes every one of them
+        for system, prefix in zip(systems, writer.prefixes, strict=True):
+            if system is not None:
+                assert system in gen.tokenizer.tok.decode(prefix), (name, system)
+        mine = {tuple(p) for p in writer.prefixes} - seen if name != "mixed" else set()
+        assert name == "mixed" or len(mine) == len(systems), f"{name} repeats another set's system prompt"
+        seen |= {tuple(p) for p in writer.prefixes}
