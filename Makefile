@@ -22,9 +22,10 @@ SOURCES := $(shell find specrt export runtime plugins engines -name '*.py' -o -n
 # every learned kind in the registry (specrt/kinds/), in listing order
 KINDS ?= $(shell $(PY) -c 'from specrt.kinds import learned_kinds; print(*learned_kinds())')
 TRAIN_MINUTES ?= 20
-# Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it.
+# Distillation data at scale: `make distill` fills (or resumes) this store; `make train` trains on it. 3.6 M
+# answer tokens: one greedy answer to every prompt it is given (~23,000: ~2 hours at ~500 tokens/s on 2 cores).
 STORE ?= $(SPECRT_HOME)/train/store
-DISTILL_TOKENS ?= 2000000
+DISTILL_TOKENS ?= 3600000
 # The drafter shipped for the default model (weights in git; `make train-shipped` trains it on, warm). One
 # trained under $(SPECRT_HOME)/drafters of the same kind takes its place.
 SHIPPED_DRAFTERS ?= drafters/smollm2-135m-instruct
@@ -111,10 +112,12 @@ $(CODE_PROMPTS): | setup
 	$(SPECRT) code-prompts -o $@ --count 3000
 
 # The deployed target's own answers at scale, with its own states as the features (resumable: run it again
-# to go on after a stop).
+# to go on after a stop), to every prompt file shipped beside the head (the target's own Magpie prompts of each
+# kind: drafters/<model>/prompts/*.jsonl).
+SHIPPED_PROMPTS = $(sort $(wildcard $(SHIPPED_DRAFTERS)/prompts/*.jsonl))
 distill: build $(CODE_PROMPTS)
 	$(SPECRT) distill --backend native --target $(BUNDLE) --prompts specrt/data/train_prompts.jsonl \
-		--prompts $(SHIPPED_DRAFTERS)/prompts/magpie.jsonl --prompts $(CODE_PROMPTS) --tokens $(DISTILL_TOKENS) \
+		$(foreach f,$(SHIPPED_PROMPTS),--prompts $(f)) --prompts $(CODE_PROMPTS) --tokens $(DISTILL_TOKENS) \
 		--slots 32 --store $(STORE)
 
 # Self-distil every drafter kind for the default model on the graph-featured store (≤ TRAIN_MINUTES each).
