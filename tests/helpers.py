@@ -32,8 +32,12 @@ def share_native_kernels(home: Path) -> Path:
     the current home's, built first if need be. A test of an empty home then does not compile them again (~40 s
     on two cores); the compile itself is tested in tests/engines/test_native_failsafe.py."""
     from specrt.engines.native import library
+    from specrt.errors import SpecrtError
 
-    built = library.build().parent.parent  # <home>/cache/native
+    try:
+        built = library.build().parent.parent  # <home>/cache/native
+    except SpecrtError:  # no compiler here (or no writable cache): nothing to share, the home stays empty
+        return home
     (home / "cache").mkdir(parents=True, exist_ok=True)
     (home / "cache" / "native").symlink_to(built, target_is_directory=True)
     return home

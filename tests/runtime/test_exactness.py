@@ -99,7 +99,7 @@ def test_export_records_this_machine_and_load_uses_it(tiny_bundle, home):
     assert key in m.artifacts["exactness"], list(m.artifacts["exactness"])
     e = exactness.resolve(tiny_bundle, m, threads=2)
     assert e.source == "bundle record" and e.lossless and e.mode.name == m.artifacts["exactness"][key]["chosen"]
-    assert [p.name for p in (home / "cache").iterdir()] == ["native"]  # no exactness measured, nothing cached
+    assert {p.name for p in (home / "cache").glob("*")} <= {"native"}  # no exactness measured, nothing cached
 
 
 def test_another_machine_measures_once_then_reads_its_cache(tiny_bundle, home):
