@@ -202,11 +202,9 @@ struct Model {
   std::shared_ptr<Pool> pool;  // shared_pool(threads): the process's one pool of that size
 };
 
-// Rows [lo, hi) of n for thread `tid` of `nt`: static and contiguous.
-static inline void share(int n, int tid, int nt, int& lo, int& hi) {
-  lo = static_cast<int>(static_cast<long long>(n) * tid / nt);
-  hi = static_cast<int>(static_cast<long long>(n) * (tid + 1) / nt);
-}
+// How many chunks each thread's share of a phase is cut into (Phases::each): a few, so a thread that is late
+// leaves most of its share to the others, and few enough that handing them out costs nothing next to them.
+constexpr int kRowChunks = 2, kTileChunks = 4;
 
 // Row `id` of the embedding table into out[H]: a float table's row, or a block table's row dequantized.
 static void embed_row(const Model& m, int id, float* out) {
@@ -219,19 +217,15 @@ static void embed_row(const Model& m, int id, float* out) {
   for (int i = 0; i < m.H; ++i) out[i] = static_cast<float>(static_cast<int>(q[i]) - 128) * s[i / m.embed_block];
 }
 
-static void linear(Model& m, const QWeight& w, const float* x, int M, int ldx, float* y, int tid, int nt,
+static void linear(Model& m, const QWeight& w, const float* x, int M, int ldx, float* y, Phases& ph,
                    const Ops& ops) {
-  Pool& pool = *m.pool;
   QAct a = m.qa;  // the buffer, viewed as M rows of this product's blocks
   a.M = M;
   a.blocks = w.blocks;
-  int lo, hi;
-  share(M, tid, nt, lo, hi);
-  for (int r = lo; r < hi; ++r) ops.quantize_row(x + static_cast<size_t>(r) * ldx, w.K, a, r);
-pool.barrier();
-  share(w.tiles, tid, nt, lo, hi);
-  gemm(m.isa, w, a, y, w.N, lo, hi);
-pool.barrier();
+  ph.each(M, kRowChunks, [&](int lo, int hi) {
+    for (int r = lo; r < hi; ++r) ops.quantize_row(x + static_cast<size_t>(r) * ldx, w.K, a, r);
+  });
+  ph.each(w.tiles, kTileChunks, [&](int lo, int hi) { gemm(m.isa, w, a, y, w.N, lo, hi); });
 }
 
 // Where each sequence's rows sit in a pass: sequence b's rows are [start[b], start[b+1]) of the M rows
@@ -293,23 +287,21 @@ static void reserve(Model& m, const PassArgs& p, int max_k) {
 
 // Layer l after its input norm: q|k|v from `in` (M rows, K = the projection's, `ldin` apart), rotary, the new
 // keys and values into the cache, tree attention, the output projection added to the residual m.x, then the
-// post-attention norm, the MLP and its residual. Called by every thread of the pool (rows split by `share`).
-static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, int ldin, int tid, int nt,
-                          const Ops& ops) {
-  Pool& pool = *m.pool;
+// post-attention norm, the MLP and its residual. Called by every thread of the pool, through the same phases.
+static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, int ldin, Phases& ph, const Ops& ops) {
+  const int tid = ph.tid(), nt = ph.threads();
   const Layout& lay = *p.lay;
   const int M = lay.M, H = m.H, d = m.d, nq = m.nh * d, nqkv = (m.nh + 2 * m.kvh) * d;
   const int groups = m.nh / m.kvh;
   int max_past = 0;
   for (int b = 0; b < p.B; ++b) max_past = p.past[b] > max_past ? static_cast<int>(p.past[b]) : max_past;
   Layer& layer = m.layers[l];
-  int lo, hi;
-  share(M, tid, nt, lo, hi);
-  linear(m, layer.qkv, in, M, ldin, m.qkv.data(), tid, nt, ops);
+  linear(m, layer.qkv, in, M, ldin, m.qkv.data(), ph, ops);
   // the cache of layer l: rows of `units` in m.kv_format (floats, halves or bytes); offsets count units
   char* const kc = static_cast<char*>(p.kv[2 * l]);
   char* const vc = static_cast<char*>(p.kv[2 * l + 1]);
   const size_t vsize = kv_unit_bytes(m.kv_format), units = kv_row_units(m.kv_format, d);
+  ph.each(M, kRowChunks, [&](int lo, int hi) {
   for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
     const int b = lay.seq[r], t = r - lay.start[b];
     float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
@@ -334,7 +326,7 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
       }
     }
   }
-pool.barrier();
+  });
   {  // attention: each sequence's key/value heads, the queries sharing one (its group's heads over every row of
      // the window) read its cache rows together; a group is split in parts where there are fewer groups than
      // twice the threads, so one-row passes still keep every thread busy. A query computes the same values
@@ -342,8 +334,6 @@ pool.barrier();
     const int max_group = p.T * groups, n_groups = p.B * m.kvh;
     const int parts = n_groups >= 2 * nt ? 1 : (2 * nt + n_groups - 1) / n_groups;
     const int lds = max_past + p.T + 1;
-    int ulo, uhi;
-    share(n_groups * parts, tid, nt, ulo, uhi);
     const size_t base = static_cast<size_t>(tid) * max_group;
     float* scores = m.scores.data() + base * lds;
     const float** qs = m.att_q.data() + base;
@@ -352,7 +342,8 @@ pool.barrier();
     int* n_extra = m.att_n.data() + base;
     int* rows_extra = m.extra.data() + static_cast<size_t>(tid) * p.T * p.T;  // row t's window rows: t * T..
     int* rows_n = m.extra_n.data() + static_cast<size_t>(tid) * p.T;
-    int last_b = -1;
+    int last_b = -1;  // the sequence whose rows rows_extra holds
+    ph.each(n_groups * parts, kTileChunks, [&](int ulo, int uhi) {
     for (int unit = ulo; unit < uhi; ++unit) {
       const int g = unit / parts, part = unit % parts, b = g / m.kvh, kh = g % m.kvh;
       const int Tb = lay.start[b + 1] - lay.start[b], per_group = Tb * groups;
@@ -380,39 +371,40 @@ pool.barrier();
       const size_t off = (static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * units) * vsize;
       ops.attend_many(qs, qhi - qlo, kc + off, vc + off, m.kv_format, d, prefix, extras, n_extra, scores, lds, outs);
     }
+    });
   }
-pool.barrier();
-  linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), tid, nt, ops);
-  for (int r = lo; r < hi; ++r) {
-    float* xr = m.x.data() + static_cast<size_t>(r) * H;
-    ops.add_row(xr, m.h.data() + static_cast<size_t>(r) * H, H);
-    ops.rmsnorm_row(xr, H, layer.ln2.data(), m.eps, m.h.data() + static_cast<size_t>(r) * H);
-  }
-pool.barrier();
-  linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), tid, nt, ops);
-  for (int r = lo; r < hi; ++r)
-    ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
-pool.barrier();
-  linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), tid, nt, ops);
-  for (int r = lo; r < hi; ++r)
-    ops.add_row(m.x.data() + static_cast<size_t>(r) * H, m.h.data() + static_cast<size_t>(r) * H, H);
-pool.barrier();
+  linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), ph, ops);
+  ph.each(M, kRowChunks, [&](int lo, int hi) {
+    for (int r = lo; r < hi; ++r) {
+      float* xr = m.x.data() + static_cast<size_t>(r) * H;
+      ops.add_row(xr, m.h.data() + static_cast<size_t>(r) * H, H);
+      ops.rmsnorm_row(xr, H, layer.ln2.data(), m.eps, m.h.data() + static_cast<size_t>(r) * H);
+    }
+  });
+  linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), ph, ops);
+  ph.each(M, kRowChunks, [&](int lo, int hi) {
+    for (int r = lo; r < hi; ++r)
+      ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
+  });
+  linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), ph, ops);
+  ph.each(M, kRowChunks, [&](int lo, int hi) {
+    for (int r = lo; r < hi; ++r)
+      ops.add_row(m.x.data() + static_cast<size_t>(r) * H, m.h.data() + static_cast<size_t>(r) * H, H);
+  });
 }
 
 // The LM head over the window rows `logits_index` of `normed` ([B·T, H]).
-static void head_rows(Model& m, const PassArgs& p, const float* normed, int tid, int nt, const Ops& ops) {
-  Pool& pool = *m.pool;
+static void head_rows(Model& m, const PassArgs& p, const float* normed, Phases& ph, const Ops& ops) {
   const int H = m.H;
-  int glo, ghi;
   const Layout& lay = *p.lay;
-  share(lay.Rt, tid, nt, glo, ghi);
-  for (int i = glo; i < ghi; ++i) {
-    const int b = lay.rseq[i];
-    std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
-                normed + (static_cast<size_t>(lay.start[b]) + p.logits_index[i]) * H, H * sizeof(float));
-  }
-pool.barrier();
-  linear(m, m.head, m.rows.data(), lay.Rt, H, p.logits, tid, nt, ops);
+  ph.each(lay.Rt, kRowChunks, [&](int lo, int hi) {
+    for (int i = lo; i < hi; ++i) {
+      const int b = lay.rseq[i];
+      std::memcpy(m.rows.data() + static_cast<size_t>(i) * H,
+                  normed + (static_cast<size_t>(lay.start[b]) + p.logits_index[i]) * H, H * sizeof(float));
+    }
+  });
+  linear(m, m.head, m.rows.data(), lay.Rt, H, p.logits, ph, ops);
 }
 
 static void run_pass(Model& m, const PassArgs& p) {
@@ -421,35 +413,36 @@ static void run_pass(Model& m, const PassArgs& p) {
   const Ops ops = ops_for(m.isa);
   int max_k = H > m.I ? H : m.I;
   reserve(m, p, max_k > nq ? max_k : nq);
-  m.pool->run([&](int tid, int nt) {
-    Pool& pool = *m.pool;
-    int lo, hi;
-    share(M, tid, nt, lo, hi);
-    for (int r = lo; r < hi; ++r) {
-      float* xr = m.x.data() + static_cast<size_t>(r) * H;
-      embed_row(m, p.ids[r], xr);
-      if (m.embed_scale != 1.0f)
-        for (int i = 0; i < H; ++i) xr[i] *= m.embed_scale;
-    }
-pool.barrier();
-    for (int l = 0; l < m.L; ++l) {
-      for (int t = 0; t < ntaps; ++t) {
-        if (m.taps[t] != l) continue;
-        for (int r = lo; r < hi; ++r)
-          std::memcpy(p.aux + (static_cast<size_t>(r) * ntaps + t) * H, m.x.data() + static_cast<size_t>(r) * H,
-                      H * sizeof(float));
+  m.pool->run([&](int tid, int) {
+    Phases ph(*m.pool, tid);
+    ph.each(M, kRowChunks, [&](int lo, int hi) {
+      for (int r = lo; r < hi; ++r) {
+        float* xr = m.x.data() + static_cast<size_t>(r) * H;
+        embed_row(m, p.ids[r], xr);
+        if (m.embed_scale != 1.0f)
+          for (int i = 0; i < H; ++i) xr[i] *= m.embed_scale;
       }
-      for (int r = lo; r < hi; ++r)
-        ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.layers[l].ln1.data(), m.eps,
-                        m.h.data() + static_cast<size_t>(r) * H);
-pool.barrier();
-      attention_mlp(m, l, p, m.h.data(), H, tid, nt, ops);
+    });
+    for (int l = 0; l < m.L; ++l) {
+      ph.each(M, kRowChunks, [&](int lo, int hi) {
+        for (int t = 0; t < ntaps; ++t) {
+          if (m.taps[t] != l) continue;
+          for (int r = lo; r < hi; ++r)
+            std::memcpy(p.aux + (static_cast<size_t>(r) * ntaps + t) * H, m.x.data() + static_cast<size_t>(r) * H,
+                        H * sizeof(float));
+        }
+        for (int r = lo; r < hi; ++r)
+          ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.layers[l].ln1.data(), m.eps,
+                          m.h.data() + static_cast<size_t>(r) * H);
+      });
+      attention_mlp(m, l, p, m.h.data(), H, ph, ops);
     }
-    for (int r = lo; r < hi; ++r)
-      ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
-                      p.hidden + static_cast<size_t>(r) * H);
-pool.barrier();
-    head_rows(m, p, p.hidden, tid, nt, ops);
+    ph.each(M, kRowChunks, [&](int lo, int hi) {
+      for (int r = lo; r < hi; ++r)
+        ops.rmsnorm_row(m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm.data(), m.eps,
+                        p.hidden + static_cast<size_t>(r) * H);
+    });
+    head_rows(m, p, p.hidden, ph, ops);
   });
 }
 
@@ -475,41 +468,42 @@ static void run_feature_pass(Model& m, const PassArgs& p) {
   if (fuse) m.fused.resize(static_cast<size_t>(M) * H);
   const float* features = fuse ? m.fused.data() : p.hidden_in;
   const bool concat = m.mix == kConcat;
-  m.pool->run([&](int tid, int nt) {
-    Pool& pool = *m.pool;
-    int lo, hi;
-    share(M, tid, nt, lo, hi);
-    if (fuse) linear(m, m.fuse, p.aux_in, M, m.fuse.K, m.fused.data(), tid, nt, ops);
-    for (int r = lo; r < hi; ++r) {
-      const float* f = features + static_cast<size_t>(r) * H;
-      float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
-      float* xr = m.x.data() + static_cast<size_t>(r) * H;
-      embed_row(m, p.ids[r], xr);
-      if (concat) {  // the row's x is the feature, once the embedding row is normed
-        ops.rmsnorm_row(xr, H, m.layers[0].ln1.data(), m.eps, mr);
-        ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
-        std::memcpy(xr, f, H * sizeof(float));
-      } else {
-        norm_or_copy(ops, xr, H, m.embed_norm, m.eps, mr);
-        norm_or_copy(ops, f, H, m.hidden_norm, m.eps, mr + H);
+  m.pool->run([&](int tid, int) {
+    Phases ph(*m.pool, tid);
+    if (fuse) linear(m, m.fuse, p.aux_in, M, m.fuse.K, m.fused.data(), ph, ops);
+    ph.each(M, kRowChunks, [&](int lo, int hi) {
+      for (int r = lo; r < hi; ++r) {
+        const float* f = features + static_cast<size_t>(r) * H;
+        float* mr = m.mixed.data() + static_cast<size_t>(r) * 2 * H;
+        float* xr = m.x.data() + static_cast<size_t>(r) * H;
+        embed_row(m, p.ids[r], xr);
+        if (concat) {  // the row's x is the feature, once the embedding row is normed
+          ops.rmsnorm_row(xr, H, m.layers[0].ln1.data(), m.eps, mr);
+          ops.rmsnorm_row(f, H, m.hidden_norm.data(), m.eps, mr + H);
+          std::memcpy(xr, f, H * sizeof(float));
+        } else {
+          norm_or_copy(ops, xr, H, m.embed_norm, m.eps, mr);
+          norm_or_copy(ops, f, H, m.hidden_norm, m.eps, mr + H);
+        }
       }
-    }
-pool.barrier();
+    });
     if (!concat) {  // x = P·mixed, then the layer's input norm
-      linear(m, m.mix_proj, m.mixed.data(), M, 2 * H, m.x.data(), tid, nt, ops);
-      for (int r = lo; r < hi; ++r)
-        norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.layers[0].ln1, m.eps,
+      linear(m, m.mix_proj, m.mixed.data(), M, 2 * H, m.x.data(), ph, ops);
+      ph.each(M, kRowChunks, [&](int lo, int hi) {
+        for (int r = lo; r < hi; ++r)
+          norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.layers[0].ln1, m.eps,
+                       m.h.data() + static_cast<size_t>(r) * H);
+      });
+    }
+    attention_mlp(m, 0, p, concat ? m.mixed.data() : m.h.data(), concat ? 2 * H : H, ph, ops);
+    ph.each(M, kRowChunks, [&](int lo, int hi) {
+      for (int r = lo; r < hi; ++r) {
+        std::memcpy(p.hidden + static_cast<size_t>(r) * H, m.x.data() + static_cast<size_t>(r) * H, H * sizeof(float));
+        norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm, m.eps,
                      m.h.data() + static_cast<size_t>(r) * H);
-pool.barrier();
-    }
-    attention_mlp(m, 0, p, concat ? m.mixed.data() : m.h.data(), concat ? 2 * H : H, tid, nt, ops);
-    for (int r = lo; r < hi; ++r) {
-      std::memcpy(p.hidden + static_cast<size_t>(r) * H, m.x.data() + static_cast<size_t>(r) * H, H * sizeof(float));
-      norm_or_copy(ops, m.x.data() + static_cast<size_t>(r) * H, H, m.final_norm, m.eps,
-                   m.h.data() + static_cast<size_t>(r) * H);
-    }
-pool.barrier();
-    head_rows(m, p, m.h.data(), tid, nt, ops);
+      }
+    });
+    head_rows(m, p, m.h.data(), ph, ops);
   });
 }
 
@@ -979,10 +973,10 @@ int spn_linear_run(void* h, int isa, int threads, int M, const float* x, int64_t
   const Ops ops = ops_for(static_cast<Isa>(isa));
   for (int r = 0; r < M; ++r) ops.quantize_row(x + static_cast<size_t>(r) * w->K, w->K, qa, r);
   const QAct* a = &qa;  // this thread's buffer: the pool's threads have thread_locals of their own
-  pool->run([&](int tid, int nt) {
-    int lo, hi;
-    share(w->tiles, tid, nt, lo, hi);
-    gemm(static_cast<Isa>(isa), *w, *a, y, w->N, lo, hi);
+  Pool& workers = *pool;  // `pool` is this thread's: a worker's own thread_local is empty
+  workers.run([&](int tid, int) {
+    Phases ph(workers, tid);
+    ph.each(w->tiles, kTileChunks, [&](int lo, int hi) { gemm(static_cast<Isa>(isa), *w, *a, y, w->N, lo, hi); });
   });
   return 0;
 }
