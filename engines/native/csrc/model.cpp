@@ -302,30 +302,31 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
   char* const vc = static_cast<char*>(p.kv[2 * l + 1]);
   const size_t vsize = kv_unit_bytes(m.kv_format), units = kv_row_units(m.kv_format, d);
   ph.each(M, kRowChunks, [&](int lo, int hi) {
-  for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
-    const int b = lay.seq[r], t = r - lay.start[b];
-    float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
-    const int64_t at = p.pos[r];
-    ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
-    const int64_t dst = p.past[b] + t;
-    for (int kh = 0; kh < m.kvh; ++kh) {
-      const size_t off = (static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * units) * vsize;
-      const float *k = row + nq + kh * d, *v = row + nq + (m.kvh + kh) * d;
-      switch (m.kv_format) {
-        case kKvF16:
-          ops.to_half(k, reinterpret_cast<uint16_t*>(kc + off), d);
-          ops.to_half(v, reinterpret_cast<uint16_t*>(vc + off), d);
-          break;
-        case kKvQ8:
-          ops.to_q8(k, reinterpret_cast<KvQ8*>(kc + off), d);
-          ops.to_q8(v, reinterpret_cast<KvQ8*>(vc + off), d);
-          break;
-        default:
-          std::memcpy(kc + off, k, d * sizeof(float));
-          std::memcpy(vc + off, v, d * sizeof(float));
+    for (int r = lo; r < hi; ++r) {  // rotary on q and k, then k and v into the cache
+      const int b = lay.seq[r], t = r - lay.start[b];
+      float* row = m.qkv.data() + static_cast<size_t>(r) * nqkv;
+      const int64_t at = p.pos[r];
+      ops.rope_row(row, m.nh + m.kvh, d, m.cos_tab.data() + at * (d / 2), m.sin_tab.data() + at * (d / 2));
+      const int64_t dst = p.past[b] + t;
+      for (int kh = 0; kh < m.kvh; ++kh) {
+        const size_t off =
+            (static_cast<size_t>(b) * p.slot_stride + (static_cast<size_t>(kh) * p.cap + dst) * units) * vsize;
+        const float *k = row + nq + kh * d, *v = row + nq + (m.kvh + kh) * d;
+        switch (m.kv_format) {
+          case kKvF16:
+            ops.to_half(k, reinterpret_cast<uint16_t*>(kc + off), d);
+            ops.to_half(v, reinterpret_cast<uint16_t*>(vc + off), d);
+            break;
+          case kKvQ8:
+            ops.to_q8(k, reinterpret_cast<KvQ8*>(kc + off), d);
+            ops.to_q8(v, reinterpret_cast<KvQ8*>(vc + off), d);
+            break;
+          default:
+            std::memcpy(kc + off, k, d * sizeof(float));
+            std::memcpy(vc + off, v, d * sizeof(float));
+        }
       }
     }
-  }
   });
   {  // attention: each sequence's key/value heads, the queries sharing one (its group's heads over every row of
      // the window) read its cache rows together; a group is split in parts where there are fewer groups than
@@ -344,33 +345,34 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
     int* rows_n = m.extra_n.data() + static_cast<size_t>(tid) * p.T;
     int last_b = -1;  // the sequence whose rows rows_extra holds
     ph.each(n_groups * parts, kTileChunks, [&](int ulo, int uhi) {
-    for (int unit = ulo; unit < uhi; ++unit) {
-      const int g = unit / parts, part = unit % parts, b = g / m.kvh, kh = g % m.kvh;
-      const int Tb = lay.start[b + 1] - lay.start[b], per_group = Tb * groups;
-      if (Tb == 0) continue;  // a slot in the range with no rows this pass
-      const int prefix = static_cast<int>(p.past[b]);
-      if (b != last_b) {  // each row's visible window rows (a tree row's ancestors), ascending
-        for (int t = 0; t < Tb; ++t) {
-          const uint8_t* mrow = p.mask + lay.mstart[b] + static_cast<size_t>(t) * Tb;
-          int n = 0;
-          for (int u = 0; u < Tb; ++u)
-            if (mrow[u]) rows_extra[t * p.T + n++] = prefix + u;
-          rows_n[t] = n;
+      for (int unit = ulo; unit < uhi; ++unit) {
+        const int g = unit / parts, part = unit % parts, b = g / m.kvh, kh = g % m.kvh;
+        const int Tb = lay.start[b + 1] - lay.start[b], per_group = Tb * groups;
+        if (Tb == 0) continue;  // a slot in the range with no rows this pass
+        const int prefix = static_cast<int>(p.past[b]);
+        if (b != last_b) {  // each row's visible window rows (a tree row's ancestors), ascending
+          for (int t = 0; t < Tb; ++t) {
+            const uint8_t* mrow = p.mask + lay.mstart[b] + static_cast<size_t>(t) * Tb;
+            int n = 0;
+            for (int u = 0; u < Tb; ++u)
+              if (mrow[u]) rows_extra[t * p.T + n++] = prefix + u;
+            rows_n[t] = n;
+          }
+          last_b = b;
         }
-        last_b = b;
+        const int qlo = static_cast<int>(static_cast<long long>(per_group) * part / parts);
+        const int qhi = static_cast<int>(static_cast<long long>(per_group) * (part + 1) / parts);
+        for (int i = qlo; i < qhi; ++i) {
+          const int t = i / groups, qh = kh * groups + i % groups, r = lay.start[b] + t;
+          qs[i - qlo] = m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d;
+          outs[i - qlo] = m.attn.data() + static_cast<size_t>(r) * nq + qh * d;
+          extras[i - qlo] = rows_extra + t * p.T;
+          n_extra[i - qlo] = rows_n[t];
+        }
+        const size_t off =
+            (static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * units) * vsize;
+        ops.attend_many(qs, qhi - qlo, kc + off, vc + off, m.kv_format, d, prefix, extras, n_extra, scores, lds, outs);
       }
-      const int qlo = static_cast<int>(static_cast<long long>(per_group) * part / parts);
-      const int qhi = static_cast<int>(static_cast<long long>(per_group) * (part + 1) / parts);
-      for (int i = qlo; i < qhi; ++i) {
-        const int t = i / groups, qh = kh * groups + i % groups, r = lay.start[b] + t;
-        qs[i - qlo] = m.qkv.data() + static_cast<size_t>(r) * nqkv + qh * d;
-        outs[i - qlo] = m.attn.data() + static_cast<size_t>(r) * nq + qh * d;
-        extras[i - qlo] = rows_extra + t * p.T;
-        n_extra[i - qlo] = rows_n[t];
-      }
-      const size_t off = (static_cast<size_t>(b) * p.slot_stride + static_cast<size_t>(kh) * p.cap * units) * vsize;
-      ops.attend_many(qs, qhi - qlo, kc + off, vc + off, m.kv_format, d, prefix, extras, n_extra, scores, lds, outs);
-    }
     });
   }
   linear(m, layer.o, m.attn.data(), M, nq, m.h.data(), ph, ops);
@@ -384,7 +386,8 @@ static void attention_mlp(Model& m, int l, const PassArgs& p, const float* in, i
   linear(m, layer.gate_up, m.h.data(), M, H, m.gu.data(), ph, ops);
   ph.each(M, kRowChunks, [&](int lo, int hi) {
     for (int r = lo; r < hi; ++r)
-      ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I, m.act.data() + static_cast<size_t>(r) * m.I);
+      ops.silu_mul_row(m.gu.data() + static_cast<size_t>(r) * 2 * m.I, m.I,
+                       m.act.data() + static_cast<size_t>(r) * m.I);
   });
   linear(m, layer.down, m.act.data(), M, m.I, m.h.data(), ph, ops);
   ph.each(M, kRowChunks, [&](int lo, int hi) {

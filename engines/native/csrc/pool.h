@@ -4,10 +4,11 @@
 // chunks of its own contiguous share of a phase's work, then takes what is left of the others' shares, and a
 // phase ends when every chunk is finished, not when every thread has arrived. So a thread the system has taken
 // off its core (another busy process, a hypervisor's steal) holds the others up only while it holds a chunk;
-// back on its core it runs through the phases the others finished. (With a fixed share and a barrier a phase, a pass on a machine whose cores another process also kept
-// busy waited about one time slice at nearly every barrier: 80x its time alone.) Waiting spins briefly, then
-// yields the core; idle workers sleep between runs, so the ONNX Runtime drafter sessions of the same process
-// keep the cores to themselves. One pool per thread count serves the whole process (shared_pool).
+// back on its core it runs through the phases the others finished. (With a fixed share and a barrier a phase,
+// a pass on cores another busy process shares waited about one time slice at nearly every barrier: 8-80x its
+// time alone.) Waiting spins briefly, then yields the core; idle workers sleep between runs, so the ONNX
+// Runtime drafter sessions of the same process keep the cores to themselves. One pool per thread count serves
+// the whole process (shared_pool).
 #pragma once
 #include <algorithm>
 #include <atomic>
