@@ -24,7 +24,7 @@ from specrt.export.config_rules import (
 )
 from specrt.export.modeling import DecoderLM
 from specrt.export.safetensors_file import check_folder
-from specrt.export.source_checks import check_tokenizer
+from specrt.export.source_checks import check_tokenizer, split_source
 from specrt.schema.config import DecoderConfig
 
 
@@ -37,22 +37,6 @@ class LoadedModel:
     source: str
     hf_config: Any
     hf_model: Any = None  # the transformers model, kept for parity checks; drop it when done
-
-
-def _split_source(path: Path) -> tuple[str, dict]:
-    """(pretrained path, extra from_pretrained kwargs) for a folder or a .gguf file."""
-    if not path.exists():
-        raise SpecrtError(f"model path {path} does not exist: pass a Hugging Face model folder or a .gguf file")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise SpecrtError(f"{path} is a file but not a .gguf: pass a Hugging Face model folder or a .gguf file")
-        with path.open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise SpecrtError(f"{path} is not a GGUF file (bad magic bytes): the file is corrupt or of another format")
-        return str(path.parent), {"gguf_file": path.name}
-    if not (path / "config.json").is_file():
-        raise SpecrtError(f"{path} has no config.json: pass a Hugging Face model folder or a .gguf file")
-    return str(path), {}
 
 
 def rope_tables(hf_config, layer_type: str | None = None) -> tuple[list[float], float]:
@@ -175,7 +159,7 @@ def load_model(path: str | Path, keep_hf: bool = True) -> LoadedModel:
     from specrt.export.gguf_once import gguf_parsed_once
 
     path = Path(path)
-    src, kw = _split_source(path)
+    src, kw = split_source(path)
     with gguf_parsed_once():  # transformers reads a .gguf four times over otherwise
         return _load(path, src, kw, keep_hf)
 

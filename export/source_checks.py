@@ -1,6 +1,6 @@
-"""Checks of a source model's tokenizer against its config, before any weight is loaded: ids the
-embedding has rows for, and a chat template that parses. Either would otherwise export fine and fail
-at generate time."""
+"""Checks of a source model before any weight is loaded: that its path is a model folder or a GGUF file (before
+torch is imported), then its tokenizer against its config: ids the embedding has rows for, and a chat template
+that parses. Either of the last two would otherwise export fine and fail at generate time."""
 
 from __future__ import annotations
 
@@ -8,6 +8,23 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 from specrt.runtime.tokenizer import syntax_error
+
+
+def split_source(path: Path) -> tuple[str, dict]:
+    """(pretrained path, extra from_pretrained kwargs) for a folder or a .gguf file; a path that is neither is
+    refused here, before torch or transformers is imported (the CLI calls this first: an instant error)."""
+    if not path.exists():
+        raise SpecrtError(f"model path {path} does not exist: pass a Hugging Face model folder or a .gguf file")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise SpecrtError(f"{path} is a file but not a .gguf: pass a Hugging Face model folder or a .gguf file")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise SpecrtError(f"{path} is not a GGUF file (bad magic bytes): the file is corrupt or of another format")
+        return str(path.parent), {"gguf_file": path.name}
+    if not (path / "config.json").is_file():
+        raise SpecrtError(f"{path} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    return str(path), {}
 
 
 def source_files(path: Path) -> dict[str, Path]:

@@ -59,10 +59,15 @@ def _drafter_specs(ctx, param, values) -> list[tuple[str, Path | None]]:
 def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_weights, quantize, requantize, int4_head,
             drafter_quantize, no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
-    from specrt.export.bundle import ExportOptions, export_bundle
     from specrt.export.default_model import default_model_path
+    from specrt.export.source_checks import split_source
 
     model = model if model is not None else default_model_path()
+    for source in (model, draft_model):  # a wrong path is refused at once, not after torch has loaded
+        if source is not None:
+            split_source(Path(source))
+    from specrt.export.bundle import ExportOptions, export_bundle
+
     out = output if output is not None else default_bundle()
     if drafter_weights is not None and len(drafter_kinds) != 1:
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")

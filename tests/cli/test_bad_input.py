@@ -87,6 +87,35 @@ def test_corrupt_gguf(tmp_path):
     assert_nothing_written(out)
 
 
+# the CLI, reporting on stdout as it exits whether torch was imported by then
+_REPORTS_TORCH = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+                  "from specrt.cli import main; main()")
+
+
+@pytest.mark.parametrize("case", ["missing", "not_gguf", "bad_magic", "no_config", "missing_draft"])
+def test_a_model_path_that_is_no_model_is_refused_before_torch_loads(tmp_path, case):
+    """`export` checks --model and --draft-model (a folder with config.json, or a file with GGUF's magic) before
+    it imports torch and transformers: the error comes at once, not after seconds of loading."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("weights elsewhere")
+    (folder / "model.gguf").write_bytes(b"GGML" + bytes(60))
+    good = folder / "ok.gguf"
+    good.write_bytes(b"GGUF" + bytes(60))  # passes the path check; refused later if ever loaded
+    model, draft, needle = {"missing": (tmp_path / "nope", None, "does not exist"),
+                            "not_gguf": (folder / "notes.txt", None, "not a .gguf"),
+                            "bad_magic": (folder / "model.gguf", None, "bad magic bytes"),
+                            "no_config": (folder, None, "has no config.json"),
+                            "missing_draft": (good, tmp_path / "draft", "does not exist")}[case]
+    out = tmp_path / "out"
+    args = ["export", "--model", model, "-o", out / "b"] + (["--draft-model", draft] if draft else [])
+    proc = subprocess.run([sys.executable, "-c", _REPORTS_TORCH, *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert_one_line_error(proc, needle, str(draft or model))
+    assert "torch imported: False" in proc.stdout, proc.stdout
+    assert_nothing_written(out)
+
+
 def test_truncated_gguf(tmp_path, default_gguf):
     bad = tmp_path / "m" / "cut.gguf"
     bad.parent.mkdir()
