@@ -26,7 +26,7 @@ output stay lossless.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from itertools import count
 
 import numpy as np
@@ -41,6 +41,8 @@ DEFAULT_STORE_TOKENS = 65536  # tokens of earlier sequences kept (prompts and ou
 STORE_WEIGHT = 0.5  # earlier sequences are weaker evidence: a store draft's score counts half
 TIE = 1e-9  # scores closer than this are a tie (rounding in the sums of products)
 SEP = -1  # between stored sequences: matches and continuations never cross it
+FEW_MATCHES = 8  # match_lengths walks this many positions back one by one, not as arrays
+FEW_NEXT = 16  # children counts what follows this many positions in Python, not with np.unique
 
 
 class SequenceIndex:
@@ -127,24 +129,45 @@ class Store:
 def match_lengths(arr: np.ndarray, positions: np.ndarray, context: list[int],
                   max_match: int = MAX_MATCH) -> np.ndarray:
     """For each position p where `arr[p] == context[-1]`: the length of the longest common suffix of
-    arr[..p] and `context`, at most `max_match`."""
+    arr[..p] and `context`, at most `max_match`. Whole arrays of positions step back together; once at most
+    FEW_MATCHES are still matching (a long match is rare), each walks back on its own (no per-step array
+    overhead)."""
+    top = min(max_match, len(context))
+    if len(positions) <= FEW_MATCHES:
+        return np.array([_walk_back(arr, p, 1, context, top) for p in positions.tolist()], np.int64)
     lengths = np.ones(len(positions), np.int64)
     alive = np.arange(len(positions))
-    for j in range(1, min(max_match, len(context))):
+    j = 1
+    while j < top and len(alive) > FEW_MATCHES:
         back = positions[alive] - j
         ok = back >= 0
         ok[ok] = arr[back[ok]] == context[-1 - j]
         alive = alive[ok]
-        if not alive.size:
-            break
         lengths[alive] += 1
+        j += 1
+    for i in alive.tolist():
+        lengths[i] = _walk_back(arr, int(positions[i]), int(lengths[i]), context, top)
     return lengths
+
+
+def _walk_back(arr: np.ndarray, p: int, m: int, context: list[int], top: int) -> int:
+    """The match ending at position p of `arr`, known to be m tokens long, extended back as far as it goes."""
+    while m < top and p - m >= 0 and arr[p - m] == context[-1 - m]:
+        m += 1
+    return m
 
 
 def children(corpus, pos: np.ndarray, width: int) -> tuple[int, list]:
     """What followed a node whose token sits at positions `pos` (ascending) of `corpus`: (occurrences with
     a next token, [(token, count, its positions)] for the `width` most frequent next tokens, ties to the
     one seen last)."""
+    if len(pos) <= FEW_NEXT:  # counted in Python: a Counter fed latest first keeps that order among equal counts
+        after = [p + 1 for p in pos.tolist() if p + 1 < corpus.n]
+        pairs = [(q, t) for q, t in zip(after, corpus.arr[after].tolist(), strict=True) if t != SEP]
+        if len(pairs) <= 1:
+            return len(pairs), [(t, 1, np.array([q], np.int64)) for q, t in pairs]
+        ranked = Counter(t for _, t in reversed(pairs)).most_common(width)
+        return len(pairs), [(t, n, np.array([q for q, u in pairs if u == t], np.int64)) for t, n in ranked]
     nxt = pos + 1
     nxt = nxt[nxt < corpus.n]
     tok = corpus.arr[nxt]
@@ -255,7 +278,7 @@ class Suffix(Drafter):
                 pos = pos[pos < corpus.n - 1]  # not the context's own last token
             lengths = match_lengths(corpus.arr, pos, tokens)
             weight = 1.0 if corpus is self.seq else STORE_WEIGHT
-            for m in np.unique(lengths)[::-1].tolist():  # longest match first: it wins a tie
+            for m in sorted(set(lengths.tolist()), reverse=True):  # longest match first: it wins a tie
                 cap = min(depth, TOKENS_PER_MATCHED * m)
                 if weight * min(cap, nodes) <= best_score:  # each depth's path probabilities sum to at most 1
                     continue

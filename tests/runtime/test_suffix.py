@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.runtime.drafters import DrafterContext
+from specrt.runtime.drafters import DrafterContext, suffix
 from specrt.runtime.drafters.ngram import lookup
 from specrt.runtime.drafters.suffix import (
     MAX_MATCH,
@@ -89,7 +89,19 @@ def reference(context: list[int], stored: list[list[int]], nodes: int, depth: in
     return best
 
 
-def test_match_lengths_equal_a_slice_comparison():
+# match_lengths and children take arrays for many positions and Python loops for few: each way alone, and the mix
+WAYS = {"arrays": (0, 0), "python": (10**9, 10**9), "mixed": (suffix.FEW_MATCHES, suffix.FEW_NEXT)}
+
+
+@pytest.fixture(params=list(WAYS))
+def way(request, monkeypatch):
+    few_matches, few_next = WAYS[request.param]
+    monkeypatch.setattr(suffix, "FEW_MATCHES", few_matches)
+    monkeypatch.setattr(suffix, "FEW_NEXT", few_next)
+    return request.param
+
+
+def test_match_lengths_equal_a_slice_comparison(way):
     rng = np.random.default_rng(1)
     for _ in range(40):
         arr = rng.integers(0, 3, int(rng.integers(2, 80))).tolist()
@@ -101,7 +113,7 @@ def test_match_lengths_equal_a_slice_comparison():
 
 
 @pytest.mark.parametrize("tree,k", SHAPES)
-def test_proposal_equals_the_reference_on_random_sequences(tree, k):
+def test_proposal_equals_the_reference_on_random_sequences(tree, k, way):
     """Small vocabularies: many matches, many ties (broken towards the latest occurrence)."""
     rng = np.random.default_rng(k + len(tree or ""))
     shape = resolve_tree(tree, k)
