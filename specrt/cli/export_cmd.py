@@ -63,11 +63,6 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     from specrt.export.source_checks import split_source
 
     model = model if model is not None else default_model_path()
-    for source in (model, draft_model):  # a wrong path is refused at once, not after torch has loaded
-        if source is not None:
-            split_source(Path(source))
-    from specrt.export.bundle import ExportOptions, export_bundle
-
     out = output if output is not None else default_bundle()
     if drafter_weights is not None and len(drafter_kinds) != 1:
         raise click.UsageError("--drafter-weights needs exactly one --drafter KIND")
@@ -79,6 +74,11 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     if drafter_quantize and not quantize:
         raise click.UsageError("--drafter-quantize sets the learned drafters' precision within a quantized bundle: it "
                                "needs --quantize")
+    for source in (model, draft_model):  # a wrong path is refused at once, not after torch has loaded
+        if source is not None:
+            split_source(Path(source))
+    from specrt.export.bundle import ExportOptions, export_bundle
+
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())
     opts = ExportOptions(draft_layers="default" if draft_layers is None else draft_layers, draft_model=draft_model,
                          check_parity=not no_parity_check, drafters=learned,

@@ -73,6 +73,7 @@ def test_export_passes_the_default_unless_draft_layers_is_given(monkeypatch, tmp
         raise SpecrtError("stop here")
 
     monkeypatch.setattr(bundle, "export_bundle", capture)
+    (tmp_path / "config.json").write_text("{}")  # a model folder to the path check; never loaded here
     for args in ([], ["--draft-layers", "0"], ["--draft-layers", "3"]):
         invoke("export", "--model", str(tmp_path), "-o", str(tmp_path / "b"), *args)
     assert seen == ["default", 0, 3]
