@@ -133,8 +133,6 @@ def match_lengths(arr: np.ndarray, positions: np.ndarray, context: list[int],
     FEW_MATCHES are still matching (a long match is rare), each walks back on its own (no per-step array
     overhead)."""
     top = min(max_match, len(context))
-    if len(positions) <= FEW_MATCHES:
-        return np.array([_walk_back(arr, p, 1, context, top) for p in positions.tolist()], np.int64)
     lengths = np.ones(len(positions), np.int64)
     alive = np.arange(len(positions))
     j = 1
@@ -164,8 +162,6 @@ def children(corpus, pos: np.ndarray, width: int) -> tuple[int, list]:
     if len(pos) <= FEW_NEXT:  # counted in Python: a Counter fed latest first keeps that order among equal counts
         after = [p + 1 for p in pos.tolist() if p + 1 < corpus.n]
         pairs = [(q, t) for q, t in zip(after, corpus.arr[after].tolist(), strict=True) if t != SEP]
-        if len(pairs) <= 1:
-            return len(pairs), [(t, 1, np.array([q], np.int64)) for q, t in pairs]
         ranked = Counter(t for _, t in reversed(pairs)).most_common(width)
         return len(pairs), [(t, n, np.array([q for q, u in pairs if u == t], np.int64)) for t, n in ranked]
     nxt = pos + 1
