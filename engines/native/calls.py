@@ -101,3 +101,11 @@ def product(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, 
     if linear_run(lib, h, kernel, threads, x, y) != 0:
         raise SpecrtError(f"native {what} failed: {library.last_error()}")
     return y
+
+
+def model_pages(lib: ctypes.CDLL, h: int) -> dict[str, int | bool]:
+    """Where a model's weights live (csrc/arena.h): the bytes its arena handed out, and whether the system took
+    the advice to back them with 2 MiB pages (False under SPECRT_NATIVE_HUGE_PAGES=0 or without huge pages)."""
+    out = (ctypes.c_int64 * 2)()
+    lib.spn_model_pages(h, out)
+    return {"bytes": int(out[0]), "huge_pages": bool(out[1])}

@@ -27,7 +27,7 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 
 SOURCES = Path(__file__).with_name("csrc")
-FILES = ("w4a8.h", "w4a8.cpp", "pool.h", "ops.h", "ops.inc", "ops_ref.cpp", "ops_avx2.cpp", "x86_attend.inc",
+FILES = ("w4a8.h", "w4a8.cpp", "pool.h", "arena.h", "ops.h", "ops.inc", "ops_ref.cpp", "ops_avx2.cpp", "x86_attend.inc",
          "ops_avx512.cpp", "model.cpp")
 UNITS = ("model.cpp", "w4a8.cpp", "ops_ref.cpp", "ops_avx2.cpp", "ops_avx512.cpp")
 # -ffp-contract=off: no float operation is fused behind the code's back, so the kernels built for different
@@ -47,6 +47,7 @@ SIGNATURES = {
     "spn_isa_supported": (I32, [I32]),
     "spn_model_new": (P, [I32, I32, I32, I32, I32, I32, I32, F32, F32, I32, I32, I32]),
     "spn_model_free": (None, [P]),
+    "spn_model_pages": (I32, [P, P]),
     "spn_set_embed": (I32, [P, P, I64, I64]),
     "spn_use_embed": (I32, [P, P, I64, I64]),
     "spn_use_embed_blocks": (I32, [P, P, I64, P, I64, I64, I64, I32]),

@@ -286,6 +286,13 @@ def test_a_compiler_that_cannot_run_is_one_line_and_auto_takes_ort(int4, tmp_pat
     assert not list((tmp_path / "home").rglob("*.so*"))  # nothing half-written
 
 
+def test_every_kernel_source_is_in_the_digest():
+    """The cached library is keyed by its sources' digest: a source left out of library.FILES (a header added
+    later) would let a library built from its old text answer for the new one."""
+    assert sorted(library.FILES) == sorted(p.name for p in library.SOURCES.iterdir() if p.is_file())
+    assert set(library.UNITS) <= set(library.FILES)
+
+
 def test_a_cache_that_cannot_be_written_is_one_line(monkeypatch, tmp_path):
     """The cache folder cannot be made (its parent is a file: a read-only cache behaves alike)."""
     from specrt.errors import SpecrtError

@@ -90,6 +90,30 @@ def test_every_kernel_computes_bitwise_the_same_outputs(bundle, kv_dtype):
                 assert np.array_equal(a[name], b[name]), (kernel, name, np.abs(a[name] - b[name]).max())
 
 
+def test_weights_on_huge_pages_or_the_default_pages_give_bitwise_the_same_outputs(bundle, monkeypatch):
+    """A model's weights sit in an arena that asks the system for 2 MiB pages (csrc/arena.h);
+    SPECRT_NATIVE_HUGE_PAGES=0 leaves them on its default pages. Either way the same bytes are handed out and
+    every output is bitwise the same; the advice is given only when wanted, and taken where the system has
+    transparent huge pages."""
+    import os
+
+    from specrt.engines.native import calls
+
+    runs, pages = {}, {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("SPECRT_NATIVE_HUGE_PAGES", value)
+        dec = decoder(bundle, "auto")
+        pages[value] = calls.model_pages(dec.lib, dec._h)
+        runs[value] = _session(dec, np.random.default_rng(7), dec.cfg.vocab_size) + [{"kv": np.stack(dec.kv)}]
+    assert pages["1"]["bytes"] == pages["0"]["bytes"] > 0, pages
+    assert not pages["0"]["huge_pages"]
+    assert pages["1"]["huge_pages"] == os.path.isdir("/sys/kernel/mm/transparent_hugepage"), pages
+    for a, b in zip(runs["1"], runs["0"], strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert np.array_equal(a[name], b[name]), name
+
+
 def test_models_sharing_the_process_pool_run_from_threads_of_their_own(bundle):
     """Every model of a thread count runs on the process's one pool (csrc/pool.h shared_pool), one run at a
     time: decoders driven from four threads at once give bitwise what each gives alone."""

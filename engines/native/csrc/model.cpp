@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "arena.h"
 #include "ops.h"
 #include "pool.h"
 #include "w4a8.h"
@@ -50,33 +51,42 @@ static void* aligned(size_t bytes) {
   return p;
 }
 
+// A projection's packed weights and factors, in an arena (arena.h): the model's, or one of its own (a product made
+// alone, spn_linear_new). Its arrays live as long as that arena.
 struct OwnedWeight : QWeight {
   OwnedWeight() = default;
+  explicit OwnedWeight(Arena* in) : arena(in) {}
   OwnedWeight(const OwnedWeight&) = delete;
   OwnedWeight& operator=(const OwnedWeight&) = delete;
-  ~OwnedWeight() { release(); }
+  Arena* arena = nullptr;
+  std::unique_ptr<Arena> own_arena;
+
+  void* take(size_t bytes) {
+    if (!arena) {
+      own_arena = std::make_unique<Arena>();
+      arena = own_arena.get();
+    }
+    return arena->take(bytes);
+  }
   void release() {
-    free(packed), free(scales), free(mins), free(hi_scales), free(hi_mins), free(bias), free(half_scales), free(half_mins);
     packed = nullptr, scales = nullptr, mins = nullptr, hi_scales = nullptr, hi_mins = nullptr, bias = nullptr;
     half_scales = nullptr, half_mins = nullptr;
   }
-  // The float array `f` (n) as halves in `h`, when every value is a half exactly (the GGUF blocks' d and m are:
-  // Q4_0, Q4_1, Q8_0, Q5_0, Q5_1); else left as it is. SPECRT_NATIVE_HALF_FACTORS=0 keeps floats always.
-  static void keep_as_halves(float*& f, uint16_t*& h, size_t n) {
+  // Factors worked out in `work` (n floats) into the arena: as halves in `h` when every value is a half exactly
+  // (the GGUF blocks' d and m are: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) and `halves` allows it, else as floats in `f`.
+  // SPECRT_NATIVE_HALF_FACTORS=0 keeps floats always.
+  void settle(const float* work, size_t n, bool halves, float*& f, uint16_t*& h) {
+    if (!work) return;
     const char* env = std::getenv("SPECRT_NATIVE_HALF_FACTORS");
-    if (!f || (env && std::strcmp(env, "0") == 0)) return;
-    h = static_cast<uint16_t*>(aligned(n * sizeof(uint16_t)));
-    for (size_t i = 0; i < n; ++i) {
-      const uint32_t v = float_to_half_exact(f[i]);
-      if (v == kNotHalf) {
-        free(h);
-        h = nullptr;
-        return;
-      }
-      h[i] = static_cast<uint16_t>(v);
+    bool as_halves = halves && !(env && std::strcmp(env, "0") == 0);
+    for (size_t i = 0; as_halves && i < n; ++i) as_halves = float_to_half_exact(work[i]) != kNotHalf;
+    if (as_halves) {
+      h = static_cast<uint16_t*>(take(n * sizeof(uint16_t)));
+      for (size_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(float_to_half_exact(work[i]));
+    } else {
+      f = static_cast<float*>(take(n * sizeof(float)));
+      std::memcpy(f, work, n * sizeof(float));
     }
-    free(f);
-    f = nullptr;
   }
   // From the blocks of each column (weight_ok's layout): int4, q [N][blocks][16] (input 2i in the low nibble
   // of byte i); int8, q [N][blocks][32] (two's complement). scales and mins [N][blocks] (kQ8x16: scales
@@ -87,18 +97,20 @@ struct OwnedWeight : QWeight {
     format = fmt, K = k, N = n, blocks = (k + kBlock - 1) / kBlock, tiles = (n + kTileN - 1) / kTileN;
     const int tb = tile_bytes(fmt), src_bytes = is_int8(fmt) ? kBlock : kBlock / 2;
     const size_t nbytes = static_cast<size_t>(tiles) * blocks * tb, nscales = static_cast<size_t>(tiles) * blocks * kTileN;
-    packed = static_cast<uint8_t*>(aligned(nbytes));
-    scales = static_cast<float*>(aligned(nscales * sizeof(float)));
+    packed = static_cast<uint8_t*>(take(nbytes));
     std::memset(packed, is_int8(fmt) ? 0x80 : 0x88, nbytes);
-    std::memset(scales, 0, nscales * sizeof(float));
-    // the factors this format has besides its scales
-    const std::pair<float**, bool> extras[] = {{&mins, has_mins(fmt)}, {&hi_scales, has_halves(fmt)},
-                                               {&hi_mins, fmt == kQ8x16Min}};
-    for (const auto& [extra, has] : extras) {
-      if (!has) continue;
-      *extra = static_cast<float*>(aligned(nscales * sizeof(float)));
-      std::memset(*extra, 0, nscales * sizeof(float));
-    }
+    // the factors, worked out in arrays of their own first (settle() keeps them as halves or floats)
+    struct Work {
+      float* p = nullptr;
+      ~Work() { free(p); }
+      void make(bool has, size_t n) {
+        if (!has) return;
+        p = static_cast<float*>(aligned(n * sizeof(float)));
+        std::memset(p, 0, n * sizeof(float));
+      }
+    } sc, mi, hs, hm;
+    sc.make(true, nscales), mi.make(has_mins(fmt), nscales), hs.make(has_halves(fmt), nscales);
+    hm.make(fmt == kQ8x16Min, nscales);
     for (int col = 0; col < n; ++col) {
       int t = col / kTileN, c = col % kTileN;
       for (int blk = 0; blk < blocks; ++blk) {
@@ -116,20 +128,22 @@ struct OwnedWeight : QWeight {
         }
         const size_t from = static_cast<size_t>(col) * blocks + blk, to = (static_cast<size_t>(t) * blocks + blk) * kTileN + c;
         if (has_halves(fmt)) {
-          scales[to] = s[2 * from], hi_scales[to] = s[2 * from + 1];
+          sc.p[to] = s[2 * from], hs.p[to] = s[2 * from + 1];
         } else {
-          scales[to] = s[from];
+          sc.p[to] = s[from];
         }
-        if (hi_mins) {
-          mins[to] = mn[2 * from], hi_mins[to] = mn[2 * from + 1];
-        } else if (mins) {
-          mins[to] = mn[from];
+        if (hm.p) {
+          mi.p[to] = mn[2 * from], hm.p[to] = mn[2 * from + 1];
+        } else if (mi.p) {
+          mi.p[to] = mn[from];
         }
       }
     }
-    if (!has_halves(fmt)) keep_as_halves(scales, half_scales, nscales), keep_as_halves(mins, half_mins, nscales);
+    settle(sc.p, nscales, !has_halves(fmt), scales, half_scales), settle(mi.p, nscales, !has_halves(fmt), mins, half_mins);
+    uint16_t* none = nullptr;  // the half-block formats keep their upper halves' factors as floats
+    settle(hs.p, nscales, false, hi_scales, none), settle(hm.p, nscales, false, hi_mins, none);
     if (b) {
-      bias = static_cast<float*>(aligned(n * sizeof(float)));
+      bias = static_cast<float*>(take(n * sizeof(float)));
       std::memcpy(bias, b, n * sizeof(float));
     }
   }
@@ -170,6 +184,7 @@ struct Layer {
 enum Mix { kNoMix = 0, kConcat = 1, kProject = 2, kMixCount = 3 };
 
 struct Model {
+  std::unique_ptr<Arena> arena;  // its weights' memory (declared first: freed after every weight that points into it)
   int L = 0, H = 0, nh = 0, kvh = 0, d = 0, I = 0, V = 0;
   int mix = kNoMix;      // a decoder (spn_pass), or a drafter layer's Mix
   bool feature = false;  // a drafter layer (mix != kNoMix)
@@ -602,6 +617,7 @@ void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float ep
     m = std::make_unique<Model>();
     m->L = L, m->H = H, m->nh = nh, m->kvh = kvh, m->d = d, m->I = I, m->V = V, m->mix = feature, m->feature = feature != 0;
     m->eps = eps, m->embed_scale = embed_scale, m->isa = static_cast<Isa>(isa), m->threads = threads;
+    m->arena = std::make_unique<Arena>();
     m->layers = std::vector<Layer>(L);
     m->pool = shared_pool(threads);
   } catch (const std::system_error& e) {  // a thread the system would not start
@@ -615,6 +631,15 @@ void* spn_model_new(int L, int H, int nh, int kvh, int d, int I, int V, float ep
 }
 
 void spn_model_free(void* h) { delete static_cast<Model*>(h); }
+
+// Where a model's weights live: out[0] the bytes its arena has handed out, out[1] 1 when the system took the
+// advice to back them with huge pages (arena.h; 0: SPECRT_NATIVE_HUGE_PAGES=0, or a system without them).
+int spn_model_pages(void* h, int64_t* out) {
+  const Model* m = static_cast<const Model*>(h);
+  out[0] = static_cast<int64_t>(m->arena->taken());
+  out[1] = m->arena->advised() ? 1 : 0;
+  return 0;
+}
 
 static bool embed_ok(const Model& m, const float* e, int64_t rows, int64_t cols) {
   return check(e != nullptr, "embedding table missing") &&
@@ -735,6 +760,7 @@ int spn_set_linear(void* h, int layer, int which, int format, int K, int N, cons
       !weight_ok(format, K, N, q, q_bytes, scales, n_scales, mins, n_mins, bias, n_bias))
     return 1;
   OwnedWeight* w = const_cast<OwnedWeight*>(slot(*m, layer, which));
+  w->arena = m->arena.get();
   try {
     w->load(format, K, N, q, scales, mins, bias);
   } catch (const std::bad_alloc&) {
