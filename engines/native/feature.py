@@ -165,6 +165,13 @@ class NativeFeatureLayer(NativeDecoder):
         self._kv_ptrs = {}
         self.slots = (0, 1)
         self._outputs = {}
+        # a catch-up's inputs (`causal`), made once: token ids, every position, past and the logits row, and
+        # the causal mask of each window length asked for
+        self._ids = np.zeros(capacity, np.int64)
+        self._positions = np.arange(capacity, dtype=np.int64)
+        self._past, self._last = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        self._addr = {name: getattr(self, name).ctypes.data for name in ("_ids", "_positions", "_past", "_last")}
+        self._masks: dict[int, tuple[np.ndarray, int]] = {}
 
     def __del__(self):
         fuse = getattr(self, "_fuse", None)
@@ -182,6 +189,34 @@ class NativeFeatureLayer(NativeDecoder):
         k, n = self._fuse_shape
         x = np.ascontiguousarray(aux, np.float32).reshape(-1, k)
         return calls.product(self.lib, self._fuse, library.KERNELS[self.kernel], int(self.threads), x, n, "fuse")
+
+    def causal(self, ids: list[int], aux: np.ndarray, start: int) -> dict[str, np.ndarray]:
+        """`run_all` over one causal window of committed rows start..start+T-1 (tokens `ids`, the target's tapped
+        rows `aux` [T, n·H], fused in the pass), logits for its last row only: a catch-up, the one pass of each
+        step of a chain of one draft. Its inputs are written into buffers made once (a step's Python around the
+        native call ran ~2x the call itself on AVX2); every size run_all checks is checked here too."""
+        t = len(ids)
+        if self._fuse is None or aux.shape != (t, self._fuse_shape[0]) or aux.dtype != np.float32 or \
+                not aux.flags.c_contiguous or t < 1 or start < 0:
+            raise SpecrtError(f"internal: a causal catch-up of {t} rows from {start} with tapped rows {aux.shape}")
+        if start + t > self.capacity:
+            raise SpecrtError(f"KV capacity {self.capacity} exceeded ({start + t} rows): raise --max-seq-len")
+        mask = self._masks.get(t)
+        if mask is None:
+            tril = np.tril(np.ones((t, t), np.bool_))
+            mask = self._masks[t] = (tril, tril.ctypes.data)
+        self._ids[:t] = ids
+        self._past[0], self._last[0] = start, t - 1
+        out = {"logits": self._buffer("logits", (1, 1, self.vocab)),
+               "hidden_states": self._buffer("hidden_states", (1, t, self.cfg.hidden_size))}
+        addr = self._addr
+        rc = self.lib.spn_feature_pass(self._h, t, addr["_ids"], None, aux.ctypes.data, aux.size,
+                                       addr["_positions"] + 8 * start, addr["_past"], mask[1], 1, addr["_last"],
+                                       self._kv_pointers(0), self.capacity, out["logits"].ctypes.data,
+                                       out["hidden_states"].ctypes.data)
+        if rc != 0:
+            raise SpecrtError(f"native feature pass failed: {library.last_error()}")
+        return out
 
     def run_all(self, input_ids, position_ids, past_len, tree_mask, logits_index, hidden_in=None, aux_in=None,
                 **extra) -> dict[str, np.ndarray]:

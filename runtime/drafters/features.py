@@ -92,10 +92,20 @@ def _ort_fuse(path, threads: int):
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
+    """How many leading tokens `a` and `b` share. Every step asks it of a sequence and the same sequence one
+    step on, where one is a prefix of the other: that is one comparison of the lists, in C, not a Python loop
+    over the whole context; where they differ, halving finds the first difference."""
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    same, differ = 0, limit  # a[:same] == b[:same], a[:differ] != b[:differ]
+    while differ - same > 1:
+        mid = (same + differ) // 2
+        if a[same:mid] == b[same:mid]:
+            same = mid
+        else:
+            differ = mid
+    return same
 
 
 class FeatureLayer:
@@ -143,13 +153,11 @@ class FeatureLayer:
         self.cached = min(self.cached, keep)
         self.tokens = list(tokens)
 
-    def run(self, ids, hidden: np.ndarray | None, positions, past: int, mask: np.ndarray, rows,
-            aux: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(logits [R, V'] for window `rows`, features [T, H]); the rows' features `hidden`, or where the layer
-        `fuses_in_pass`, the target's tapped rows `aux` that it fuses into them."""
+    def run(self, ids, hidden: np.ndarray, positions, past: int, mask: np.ndarray, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(logits [R, V'] for window `rows`, features [T, H]) of a pass over rows with features `hidden`."""
         ids = np.asarray([ids], np.int64)
         extra = {} if self.embeds is None else {"inputs_embeds": self.embeds[np.maximum(ids, 0)]}
-        extra["hidden_in" if aux is None else "aux_in"] = np.asarray(hidden if aux is None else aux, np.float32)[None]
+        extra["hidden_in"] = np.asarray(hidden, np.float32)[None]
         logits, out = self.model.run(ids, np.asarray(positions, np.int64)[None], np.array([past], np.int64),
                                      mask[None], np.asarray([rows], np.int64), **extra)
         self.calls += 1
@@ -166,14 +174,16 @@ class FeatureLayer:
         if start < 0:
             raise SpecrtError("internal: drafter catch-up needs at least one committed row")
         t = upto - start
-        in_pass = taps is not None and self.fuses_in_pass and not mask_rows
-        aux = taps(start, upto) if in_pass else None
-        feats = None if in_pass else self.fuse(taps(start, upto)) if taps is not None else features(start, upto)
+        if taps is not None and self.fuses_in_pass and not mask_rows:  # one native call, its inputs made once
+            out = self.model.causal(tokens[start + 1 : upto + 1], taps(start, upto), start)
+            self.calls += 1
+            self.cached = upto
+            return out["logits"][0, 0], out["hidden_states"][0]
+        feats = self.fuse(taps(start, upto)) if taps is not None else features(start, upto)
         ids = tokens[start + 1 : upto + 1] + [-1] * mask_rows
         if mask_rows:
             feats = np.concatenate([feats, np.zeros((mask_rows, feats.shape[1]), feats.dtype)])
         logits, out = self.run(ids, feats, np.arange(start, upto + mask_rows), start,
-                               np.tril(np.ones((t + mask_rows, t + mask_rows), bool)), list(range(t - 1, t + mask_rows)),
-                               aux=aux)
+                               np.tril(np.ones((t + mask_rows, t + mask_rows), bool)), list(range(t - 1, t + mask_rows)))
         self.cached = upto
         return (logits if mask_rows else logits[0]), out[:t]

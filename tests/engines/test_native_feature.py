@@ -166,6 +166,37 @@ def test_a_catch_up_fuses_the_tapped_rows_in_its_own_call(layers, trained_int4_b
     assert rc != 0 and f"{aux.size - 1} tapped values for 12 rows" in library.last_error()
 
 
+def test_a_causal_catch_up_is_the_pass_run_all_computes(layers, trained_int4_bundle):
+    """`causal` (a catch-up's pass, its inputs in buffers made once) gives bitwise what run_all gives for the same
+    window, its cache included, at every window length and start a step makes; a wrong size is an error."""
+    from specrt.engines.native.feature import NativeFeatureLayer
+    from specrt.engines.tables import embedding_table
+
+    m, layer, fuse, cfg = layers
+    table = embedding_table(trained_int4_bundle / m.target.file)
+    rng = np.random.default_rng(4)
+    width = len(m.drafter("eagle3", trained_int4_bundle)["taps"]) * cfg.hidden_size
+    aux = rng.standard_normal((60, width)).astype(np.float32)
+    ids = rng.integers(0, m.target.config.vocab_size, 61).tolist()
+    lean = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, embedding=table)
+    full = NativeFeatureLayer(layer, fuse, cfg, CAPACITY, 2, embedding=table)
+    start = 0
+    for t in (7, 1, 2, 3, 1, 4, 2, 30):  # a prompt's rows, then steps of 1..4 accepted rows
+        got = lean.causal(ids[start + 1 : start + 1 + t], aux[start : start + t], start)
+        got = {k: v.copy() for k, v in got.items()}
+        want = full.run_all(np.asarray(ids[start + 1 : start + 1 + t])[None], np.arange(start, start + t)[None],
+                            np.array([start]), np.tril(np.ones((t, t), bool))[None], np.array([[t - 1]]),
+                            aux_in=aux[None, start : start + t])
+        for name in ("logits", "hidden_states"):
+            assert np.array_equal(got[name], want[name]), (t, start, name)
+        assert all(np.array_equal(a, b) for a, b in zip(lean.kv, full.kv, strict=True)), (t, start)
+        start += t
+    with pytest.raises(SpecrtError, match="causal catch-up of 2 rows"):
+        lean.causal(ids[:2], aux[:3], 0)
+    with pytest.raises(SpecrtError, match="KV capacity"):
+        lean.causal(ids[:2], aux[:2], CAPACITY - 1)
+
+
 def test_the_branch_follows_the_target_and_the_layer(layers, trained_int4_bundle, monkeypatch):
     m, layer, _, cfg = layers
     monkeypatch.delenv("SPECRT_DRAFTER_LAYERS", raising=False)

@@ -25,9 +25,9 @@ def pass_rows(monkeypatch):
     seen: list[tuple[int, int]] = []
     run = features.FeatureLayer.run
 
-    def spy(self, ids, hidden, positions, past, mask, rows, aux=None):
+    def spy(self, ids, hidden, positions, past, mask, rows):
         seen.append((past, len(ids)))
-        return run(self, ids, hidden, positions, past, mask, rows, aux)
+        return run(self, ids, hidden, positions, past, mask, rows)
 
     monkeypatch.setattr(features.FeatureLayer, "run", spy)
     return seen

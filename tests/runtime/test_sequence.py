@@ -252,3 +252,24 @@ def test_adaptive_depth_zero_is_a_plain_step():
     st = seq.stats
     assert st.plain_steps == sum(d == 0 for d, _ in control.updates)
     assert st.depth_sum == sum(d for d, _ in control.updates)
+
+
+def test_the_common_prefix_of_two_token_lists_is_the_first_difference():
+    """What a feature layer keeps after a step (FeatureLayer.sync): the tokens two lists share from the start,
+    found by comparing slices and halving; the same as walking them one by one, for every place the first
+    difference can be and for either list the longer."""
+    from specrt.runtime.drafters.features import common_prefix
+
+    def walk(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        a = rng.integers(0, 3, int(rng.integers(0, 40))).tolist()
+        b = a[: int(rng.integers(0, len(a) + 1))] + rng.integers(0, 3, int(rng.integers(0, 10))).tolist()
+        for x, y in ((a, b), (b, a)):
+            assert common_prefix(x, y) == walk(x, y), (x, y)
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2 and common_prefix([5], [6]) == 0
