@@ -99,18 +99,33 @@ def export_drafter(module, tmp: Path, target_cfg, source: str, check_parity: boo
 
 
 def trained_acceptance(source: str) -> dict:
-    """What training measured of the head on held-out data, from the drafter folder's metrics.json (what
-    runtime/shapes.py sizes default drafts by): "acceptance_by_depth" [a_1, ...], the top-1 agreement by
-    draft step, and "acceptance_top_k" [a@1, ..., a@k], the first step's agreement within its k best
-    candidates (where training counted it). {} where there is none (a public checkpoint, a random drafter)."""
+    """How often the head's drafts are accepted on held-out data, from the drafter folder's metrics.json (what
+    runtime/shapes.py sizes default drafts by): "acceptance_by_depth" [a_1, ...] by draft step, and
+    "acceptance_top_k" [a@1, ..., a@k], the first step's acceptance within its k best candidates. As the run
+    time drafts where metrics.json has it ("run_time", from scripts/runtime_acceptance.py; then
+    "acceptance_measured" is "run time"), else as training measured it ("final": teacher-forced top-1
+    agreement). {} where there is neither (a public checkpoint, a random drafter)."""
     path = Path(source) / "metrics.json"
     try:
-        final = json.loads(path.read_text())["final"]
-    except (OSError, ValueError, KeyError, TypeError):
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
+    if not isinstance(metrics, dict):
+        return {}
+    run_time = _acceptance(metrics.get("run_time"), ("acceptance_by_depth", "acceptance_by_depth"),
+                           ("acceptance_top_k", "acceptance_top_k"))
+    if run_time:  # measured as the run time drafts (scripts/runtime_acceptance.py): ahead of training's
+        return {**run_time, "acceptance_measured": "run time"}
+    return _acceptance(metrics.get("final"), ("top1_per_step", "acceptance_by_depth"),
+                       ("first_step_top_k", "acceptance_top_k"))
+
+
+def _acceptance(record, *fields: tuple[str, str]) -> dict:
+    """The manifest's acceptance fields from a metrics record's (field, manifest key) pairs; {} without a valid
+    acceptance by depth."""
     out = {}
-    for field, key in (("top1_per_step", "acceptance_by_depth"), ("first_step_top_k", "acceptance_top_k")):
-        accs = final.get(field) if isinstance(final, dict) else None
+    for field, key in fields:
+        accs = record.get(field) if isinstance(record, dict) else None
         if isinstance(accs, list) and accs and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in accs):
             out[key] = [round(float(a), 4) for a in accs]
     return out if "acceptance_by_depth" in out else {}

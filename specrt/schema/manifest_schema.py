@@ -51,8 +51,9 @@ DRAFTER = {"kind": NON_EMPTY_TEXT, "graphs": Check("a non-empty list of graph na
            "config": OBJECT, "vocab_ids": BUNDLE_PATH, "taps": INT_LIST,
            "tree": Check("a list of paths (lists of integers >= 0)", list_of(list_of(lambda x: is_int(x) and x >= 0))),
            "acceptance_by_depth": Check("a list of numbers in 0..1", list_of(lambda x: is_number(x) and 0 <= x <= 1)),
-           "acceptance_top_k": Check("a list of numbers in 0..1", list_of(lambda x: is_number(x) and 0 <= x <= 1))}
-DRAFTER_OPTIONAL = ("vocab_ids", "taps", "tree", "acceptance_by_depth", "acceptance_top_k")
+           "acceptance_top_k": Check("a list of numbers in 0..1", list_of(lambda x: is_number(x) and 0 <= x <= 1)),
+           "acceptance_measured": Check('"run time" or "training"', lambda x: x in ("run time", "training"))}
+DRAFTER_OPTIONAL = ("vocab_ids", "taps", "tree", "acceptance_by_depth", "acceptance_top_k", "acceptance_measured")
 
 # artifacts written by `specrt build` / export: (key pattern, check); "*" is any key at that level
 ARTIFACT_FIELDS: tuple[tuple[tuple[str, ...], Check], ...] = (

@@ -28,10 +28,25 @@ def test_speedup_is_tokens_per_step_over_the_steps_cost():
 def test_a_steep_curve_gets_a_short_chain_a_flat_one_a_long_chain():
     entry = {"acceptance_by_depth": [0.7]}
     steep, flat = chain_shape(CPU, entry, 0.07, 5), chain_shape(FLAT, entry, 0.07, 5)
-    assert (steep.depth, flat.depth) == (3, 5)  # on CPU: 1.50×, 1.63×, 1.64×, 1.53× plain at depths 1..4
-    assert (steep.beam, steep.nodes) == (1, 3)
-    assert steep.speedup == pytest.approx(speedups(CPU, [0.7] * 5, 0.07 * 3.0)[3], abs=1e-3)
+    # on CPU: 1.50×, 1.63×, 1.64×, 1.53× plain at depths 1..4; flat: 1.58×, 1.90×, 2.06×, 2.12×, 2.13× at 1..5:
+    # each the fewest rows within ROW_MARGIN of its best
+    assert (steep.depth, flat.depth) == (2, 3)
+    assert (steep.beam, steep.nodes) == (1, 2)
+    assert steep.speedup == pytest.approx(speedups(CPU, [0.7] * 5, 0.07 * 3.0)[2], abs=1e-3)
     assert chain_shape(FLAT, entry, 0.07, 3).depth == 3  # never past the depth asked for (-k)
+
+
+def test_more_rows_are_taken_only_for_more_than_the_margin():
+    """A shape of more rows wins only where it predicts more than ROW_MARGIN over the best of fewer: a noisy
+    curve's low reading at 3 rows must not turn a chain of one into a chain of two."""
+    from specrt.runtime.shapes import ROW_MARGIN
+
+    entry = {"acceptance_by_depth": [0.4, 0.4]}
+    for t3, depth in ((3.245, 1), (3.095, 2)):  # a chain of 2 predicted 3 %, then 8 % over a chain of 1
+        curve = CostCurve((1, 2, 3, 8), (3.0, 3.0, t3, 6.0))
+        s = speedups(curve, [0.4, 0.4], 0.0)
+        assert (s[2] > s[1] * (1 + ROW_MARGIN)) == (depth == 2), s
+        assert chain_shape(curve, entry, 0.0, 2).depth == depth, s
 
 
 def test_a_head_that_does_not_pay_still_drafts_one_and_says_so():
@@ -68,7 +83,8 @@ def test_without_the_heads_top_k_the_shape_is_a_chain(entry):
 
 
 @pytest.mark.parametrize("entry,want,source", [
-    ({"acceptance_by_depth": [0.4, 0.3]}, (0.4, 0.3, 0.3), "held-out"),
+    ({"acceptance_by_depth": [0.4, 0.3]}, (0.4, 0.3, 0.3), "held-out, at training"),
+    ({"acceptance_by_depth": [0.4, 0.3], "acceptance_measured": "run time"}, (0.4, 0.3, 0.3), "held-out, at run time"),
     ({}, (PRIOR_ACCEPTANCE,) * 3, "prior"),
     ({"acceptance_by_depth": []}, (PRIOR_ACCEPTANCE,) * 3, "prior"),
 ])
@@ -118,6 +134,12 @@ def test_export_records_the_heads_training_acceptance(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps({"final": final}))
     assert trained_acceptance(str(tmp_path)) == {"acceptance_by_depth": [0.43, 0.344],
                                                  "acceptance_top_k": [0.43, 0.55, 0.6, 0.62]}
+    # measured as the run time drafts (scripts/runtime_acceptance.py): ahead of training's; an invalid one is not
+    run_time = {"acceptance_by_depth": [0.39, 0.37], "acceptance_top_k": [0.39, 0.53]}
+    (tmp_path / "metrics.json").write_text(json.dumps({"final": final, "run_time": run_time}))
+    assert trained_acceptance(str(tmp_path)) == {**run_time, "acceptance_measured": "run time"}
+    (tmp_path / "metrics.json").write_text(json.dumps({"final": final, "run_time": {"acceptance_by_depth": [2]}}))
+    assert trained_acceptance(str(tmp_path))["acceptance_by_depth"] == [0.43, 0.344]
     for bad in ({"final": {"top1_per_step": [1.5]}}, {"final": {}}, [1, 2]):
         (tmp_path / "metrics.json").write_text(json.dumps(bad))
         assert trained_acceptance(str(tmp_path)) == {}
