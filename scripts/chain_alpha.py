@@ -16,14 +16,20 @@ import json
 import time
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def held_out_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a script that runs a bundle's drafter over the shipped held-out prompts (this one's, and
+    scripts/runtime_acceptance.py's)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--drafter", default="eagle3")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = held_out_parser(__doc__).parse_args()
 
     from specrt.cli.bench_cmd import prompt_set
     from specrt.runtime.generate import Generator

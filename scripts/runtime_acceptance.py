@@ -16,7 +16,6 @@ metrics.json ("run_time"), which export copies into the manifest ahead of traini
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -38,13 +37,10 @@ def accepted(gen, prompts, max_new_tokens: int) -> tuple[int, list[int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("bundle")
-    ap.add_argument("--drafter", default="eagle3")
-    ap.add_argument("--per-category", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    from chain_alpha import held_out_parser  # scripts/ is this script's first import path
+
+    ap = held_out_parser(__doc__)
     ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write", type=Path, help="a head's folder: keep the numbers in its metrics.json")
     args = ap.parse_args()
 
