@@ -10,8 +10,9 @@ passes. Over plain decoding that is
 
 with T_v the machine's measured verify curve (runtime/costs.py) and T_p one draft pass. On a CPU a pass is
 nearly flat over 2 rows and steep past 4, so short chains win; where the curve is flat, deeper ones do. The
-shape is the depth with the largest S, at least 1 (the user asked for this drafter; `--drafter auto` is
-the choice that falls back to plain decoding); a prediction below 1 is told to the user.
+shape is the one of fewest rows whose S is within ROW_MARGIN of the largest, at least 1 draft (the user asked
+for this drafter; `--drafter auto` is the choice that falls back to plain decoding); a prediction below 1 is
+told to the user.
 
   a_i  the head's held-out acceptance by draft step (manifest `acceptance_by_depth`; the last value repeats
        deeper): as the run time drafts (`acceptance_measured` "run time": scripts/runtime_acceptance.py on the
@@ -45,7 +46,7 @@ PRIOR_ACCEPTANCE = 0.5
 PRIOR_SOURCE = "no training record: a prior of 1/2"
 MAX_CHAIN = 8  # the deepest chain considered (a deeper one is never worth its pass on any curve measured)
 MAX_FAN = 4  # the widest first step considered (training counts agreement within the head's 4 best)
-# A shape of more rows is taken only where it predicts more than this over the best of fewer: on a noisy
+# A shape is taken over one of fewer rows only where it predicts more than this over it: on a noisy
 # 2-core VM one measured curve put 3 rows at 1.03-1.32x the one-row pass from run to run (1.25x in the
 # steps themselves), and a shape chosen on a low reading runs slower for as long as the curve is cached
 ROW_MARGIN = 0.05
@@ -131,8 +132,9 @@ def fan_speedup(curve: CostCurve, acceptance: Sequence[float], within: float, wi
 
 
 def chain_shape(curve: CostCurve, entry: dict, pass_fraction: float, max_depth: int) -> Shape:
-    """The shape with the largest predicted speed-up: a chain of 1..max_depth drafts (at most MAX_CHAIN),
-    fanned at its first step to as many of the head's best candidates as training counted (≤ MAX_FAN)."""
+    """Of the chains of 1..max_depth drafts (at most MAX_CHAIN), fanned at their first step to as many of the
+    head's best candidates as were counted (≤ MAX_FAN), the one of fewest rows predicted within ROW_MARGIN of
+    the largest speed-up (the fastest of those)."""
     depth = max(1, min(int(max_depth), MAX_CHAIN))
     acc, source = acceptance_prior(entry, depth)
     within = top_k_prior(entry, acc[0]) if source != PRIOR_SOURCE else acc[:1]

@@ -55,10 +55,9 @@ static void* aligned(size_t bytes) {
 // alone, spn_linear_new). Its arrays live as long as that arena.
 struct OwnedWeight : QWeight {
   OwnedWeight() = default;
-  explicit OwnedWeight(Arena* in) : arena(in) {}
   OwnedWeight(const OwnedWeight&) = delete;
   OwnedWeight& operator=(const OwnedWeight&) = delete;
-  Arena* arena = nullptr;
+  Arena* arena = nullptr;  // the model's (spn_set_linear sets it), else own_arena, made on the first take
   std::unique_ptr<Arena> own_arena;
 
   void* take(size_t bytes) {
