@@ -81,6 +81,16 @@ def pack_windows(plans: list[Pass | None]) -> tuple[np.ndarray, ...]:
     return ids, pos, past, mask, rows
 
 
+def pack_one(p: Pass) -> tuple[np.ndarray, ...]:
+    """`pack_windows([p])` for one window, built from the plan's own arrays (the tree's are shared and
+    read-only): the batch-1 pass runs after a target pass has evicted the caches, where each array numpy
+    makes costs several microseconds."""
+    m = len(p.window)
+    window = np.asarray(p.window, np.int64)
+    return (window.reshape(1, m), (p.tree.depth + p.past).reshape(1, m), np.full(1, p.past, np.int64),
+            p.tree.mask.reshape(1, m, m), np.asarray(p.rows, np.int64).reshape(1, -1))
+
+
 def check_prompt(prompt_ids: list[int], capacity: int) -> None:
     if not prompt_ids:
         raise SpecrtError("the prompt is empty: give at least one token")
@@ -249,7 +259,8 @@ class Sequence:
             self._record(p, len(path), verify_seconds)
             kept = len(self.out)
             self.finish = self._emit([*p.window[path].tolist(), nxt])
-            self._read_logprobs(logits[[0, *path]], self.out[kept:])  # token k came from its parent's row
+            if self.top_logprobs is not None:  # token k came from its parent's row (rows copied only then)
+                self._read_logprobs(logits[[0, *path]], self.out[kept:])
             self.drafter.observe(self.tokens, self.state)
         return self.out[kept:]
 

@@ -20,7 +20,7 @@ from specrt.runtime.drafters.features import TargetState
 from specrt.runtime.exactness import Exactness, resolve
 from specrt.runtime.exec_modes import shaped
 from specrt.runtime.machine import threads_note, usable_cpus
-from specrt.runtime.sequence import Pass, pack_windows
+from specrt.runtime.sequence import Pass, pack_one, pack_windows
 from specrt.runtime.settings import SequenceTerms
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.tree import Tree
@@ -149,7 +149,7 @@ class TargetModel:
         """One batch-1 target pass over `p` in KV slot 0: every output, batch axis kept (logits
         [1, R, V] for `p.rows`, hidden_states [1, T, H], aux_hidden_states when the graph has them)."""
         self.decoder.select(0, 1)
-        return self.decoder.run_all(*pack_windows([p]))
+        return self.decoder.run_all(*pack_one(p))
 
     @property
     def ragged(self) -> bool:

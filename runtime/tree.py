@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +56,13 @@ class Tree:
 
     @classmethod
     def from_parents(cls, parents: list[int]) -> Tree:
-        """A tree from window parent indices (parents[0] == -1, each parent before its child)."""
+        """A tree from window parent indices (parents[0] == -1, each parent before its child). The same
+        parents give the same Tree object (compiled once: drafters propose a handful of shapes, step after
+        step); its arrays are read-only."""
+        return _from_parents(tuple(parents)) if cls is Tree else cls._build(list(parents))
+
+    @classmethod
+    def _build(cls, parents: list[int]) -> Tree:
         if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
             raise SpecrtError(f"invalid tree parents {parents}: root first, each parent before its child")
         seen: dict[int, int] = {}
@@ -68,7 +74,7 @@ class Tree:
 
     @classmethod
     def chain(cls, k: int) -> Tree:
-        return cls(tuple(range(-1, k)), (0,) * (k + 1))
+        return cls.from_parents(list(range(-1, k)))
 
     # ── compiled views ──────────────────────────────────────────────────────────────────────
     @property
@@ -79,20 +85,20 @@ class Tree:
     @cached_property
     def depth(self) -> np.ndarray:
         if self.is_chain:
-            return np.arange(self.size, dtype=np.int64)
+            return _frozen(np.arange(self.size, dtype=np.int64))
         d = np.zeros(self.size, np.int64)
         for i in range(1, self.size):
             d[i] = d[self.parents[i]] + 1
-        return d
+        return _frozen(d)
 
     @cached_property
     def mask(self) -> np.ndarray:
         if self.is_chain:
-            return np.tril(np.ones((self.size, self.size), bool))
+            return _frozen(np.tril(np.ones((self.size, self.size), bool)))
         m = np.eye(self.size, dtype=bool)
         for i in range(1, self.size):
             m[i] |= m[self.parents[i]]
-        return m
+        return _frozen(m)
 
     @cached_property
     def is_chain(self) -> bool:
@@ -112,6 +118,16 @@ class Tree:
 
     def children(self, node: int) -> list[int]:
         return [i for i in range(1, self.size) if self.parents[i] == node]
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)  # shared by every step and sequence that drafts this shape
+    return a
+
+
+@lru_cache(maxsize=4096)
+def _from_parents(parents: tuple[int, ...]) -> Tree:
+    return Tree._build(list(parents))
 
 
 # A sensible static tree for the default model: 12 nodes, deepest along the first candidates.

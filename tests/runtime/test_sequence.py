@@ -273,3 +273,16 @@ def test_the_common_prefix_of_two_token_lists_is_the_first_difference():
         for x, y in ((a, b), (b, a)):
             assert common_prefix(x, y) == walk(x, y), (x, y)
     assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2 and common_prefix([5], [6]) == 0
+
+
+@pytest.mark.parametrize("parents,rows", [([-1], [0]), ([-1, 0, 1], [0, 1, 2]), ([-1, 0, 0, 1, 2], [0, 1, 2, 3, 4]),
+                                          ([-1, 0, 0, 1], [3])])
+def test_one_window_packs_as_a_batch_of_one(parents, rows):
+    from specrt.runtime.sequence import pack_one, pack_windows
+    from specrt.runtime.tree import Tree
+
+    p = Pass(np.arange(7, 7 + len(parents), dtype=np.int64), 41, Tree.from_parents(parents), np.asarray(rows))
+    one, batch = pack_one(p), pack_windows([p])
+    assert len(one) == len(batch) == 5
+    for a, b in zip(one, batch, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)

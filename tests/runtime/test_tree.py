@@ -95,3 +95,17 @@ def test_tree_files_need_integer_ranks(tmp_path, content):
     f.write_text(content)
     with pytest.raises(SpecrtError, match="lists of integers, not true/false"):
         resolve_tree(str(f), 4)
+
+
+def test_a_shape_is_compiled_once_and_its_arrays_cannot_be_changed_by_a_step():
+    a, b = Tree.from_parents([-1, 0, 0, 1]), Tree.from_parents([-1, 0, 0, 1])
+    assert a is b and Tree.chain(3) is Tree.from_parents([-1, 0, 1, 2])
+    assert Tree.chain(3) is not Tree.chain(2)
+    for arr in (a.mask, a.depth, Tree.chain(2).mask, Tree.chain(2).depth):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 0
+    assert a.mask.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    with pytest.raises(SpecrtError, match="invalid tree parents"):  # a refusal is not remembered as a tree
+        Tree.from_parents([-1, 1])
+    with pytest.raises(SpecrtError, match="invalid tree parents"):
+        Tree.from_parents([-1, 1])
