@@ -185,8 +185,11 @@ def _specrt_files() -> tuple[importlib.metadata.Distribution, list]:
 def env_key(dist: TritonDist, requirements: Sequence[str]) -> str:
     _, files = _specrt_files()
     record = [str(f) + ":" + (f.hash.value if f.hash else "") for f in files]
+    # where this specrt imports from: an editable install's env points there, and RECORD's hashes are pip's
+    # word at install time (a checkout copied or moved keeps them)
+    source = os.path.realpath(Path(importlib.util.find_spec("specrt").origin).parent)
     payload = {"python": sys.version, "base": os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
-               "pytriton": dist.version, "requirements": list(requirements), "specrt": record}
+               "pytriton": dist.version, "requirements": list(requirements), "specrt": record, "source": source}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -292,3 +292,22 @@ def test_stub_environment_pins():
     names = {r.split("==")[0] for r in requirements}
     assert {"onnxruntime", "tokenizers", "jinja2", "onnx"} <= names
     assert all("==" in r for r in requirements if r != triton.STUB_NUMPY)
+
+
+def test_the_stub_environment_is_keyed_by_where_specrt_imports_from(monkeypatch, tmp_path):
+    # an editable install's stub environment points at the checkout; one built for a copy of the checkout
+    # elsewhere (same RECORD) must not be reused by this one
+    dist = triton.TritonDist(tmp_path, tmp_path, "0.7.0")
+    requirements = ["numpy<2"]
+    here = triton.env_key(dist, requirements)
+    assert triton.env_key(dist, requirements) == here
+    real = importlib.util.find_spec
+
+    def elsewhere(name, *a):
+        spec = real(name, *a)
+        if name == "specrt":
+            spec = importlib.util.spec_from_file_location("specrt", tmp_path / "copy" / "specrt" / "__init__.py")
+        return spec
+
+    monkeypatch.setattr(triton.importlib.util, "find_spec", elsewhere)
+    assert triton.env_key(dist, requirements) != here
