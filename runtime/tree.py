@@ -125,7 +125,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1024)  # shapes seen; a 64-node tree holds ~4 KB of mask
 def _from_parents(parents: tuple[int, ...]) -> Tree:
     return Tree._build(list(parents))
 
