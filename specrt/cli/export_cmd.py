@@ -60,7 +60,7 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
             drafter_quantize, no_parity_check):
     """Export the target (and draft) decoder to ONNX with tokenizer and manifest."""
     from specrt.export.default_model import default_model_path
-    from specrt.export.source_checks import split_source
+    from specrt.export.source_checks import check_folder_source, check_same_vocab, split_source
 
     model = model if model is not None else default_model_path()
     out = output if output is not None else default_bundle()
@@ -77,6 +77,9 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
     for source in (model, draft_model):  # a wrong path is refused at once, not after torch has loaded
         if source is not None:
             split_source(Path(source))
+    configs = [check_folder_source(Path(s)) if s is not None else None for s in (model, draft_model)]
+    if draft_model is not None:
+        check_same_vocab(*configs, Path(draft_model))
     from specrt.export.bundle import ExportOptions, export_bundle
 
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())

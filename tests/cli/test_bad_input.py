@@ -20,6 +20,19 @@ def specrt(*args, env=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+# the CLI, reporting on stdout as it exits whether torch was imported by then
+_REPORTS_TORCH = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+                  "from specrt.cli import main; main()")
+
+
+def specrt_before_torch(*args) -> subprocess.CompletedProcess:
+    """The CLI, for an error its input's files show: it must come before torch is imported (seconds)."""
+    proc = subprocess.run([sys.executable, "-c", _REPORTS_TORCH, *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+    assert "torch imported: False" in proc.stdout, (proc.stdout, proc.stderr[-1500:])
+    return proc
+
+
 def assert_one_line_error(proc, *needles):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -87,11 +100,6 @@ def test_corrupt_gguf(tmp_path):
     assert_nothing_written(out)
 
 
-# the CLI, reporting on stdout as it exits whether torch was imported by then
-_REPORTS_TORCH = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
-                  "from specrt.cli import main; main()")
-
-
 @pytest.mark.parametrize("case", ["missing", "not_gguf", "bad_magic", "no_config", "missing_draft"])
 def test_a_model_path_that_is_no_model_is_refused_before_torch_loads(tmp_path, case):
     """`export` checks --model and --draft-model (a folder with config.json, or a file with GGUF's magic) before
@@ -109,10 +117,8 @@ def test_a_model_path_that_is_no_model_is_refused_before_torch_loads(tmp_path, c
                             "missing_draft": (good, tmp_path / "draft", "does not exist")}[case]
     out = tmp_path / "out"
     args = ["export", "--model", model, "-o", out / "b"] + (["--draft-model", draft] if draft else [])
-    proc = subprocess.run([sys.executable, "-c", _REPORTS_TORCH, *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    proc = specrt_before_torch(*args)
     assert_one_line_error(proc, needle, str(draft or model))
-    assert "torch imported: False" in proc.stdout, proc.stdout
     assert_nothing_written(out)
 
 
@@ -132,15 +138,15 @@ def test_vocab_mismatch_is_refused(tmp_path, tokenizer_dir):
     # padded embedding rows beyond the tokenizer's ids are normal for one model, not between two
     draft = save_tiny_folder(tmp_path / "draft", "llama", tokenizer_dir, vocab_size=49280)
     out = tmp_path / "out"
-    proc = specrt("export", "--model", target, "--draft-model", draft, "-o", out / "b", "--no-parity-check")
-    assert_one_line_error(proc, "draft vocab 49280", "target vocab 49152", "tokenizer")
+    proc = specrt_before_torch("export", "--model", target, "--draft-model", draft, "-o", out / "b", "--no-parity-check")
+    assert_one_line_error(proc, "draft vocab 49280", "target vocab 49152", "tokenizer", str(draft))
     assert_nothing_written(out)
 
 
 def test_config_vocab_below_the_tokenizer_ids_is_refused(tmp_path, tokenizer_dir):
     folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=1000)
     out = tmp_path / "out"
-    proc = specrt("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
+    proc = specrt_before_torch("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
     assert_one_line_error(proc, "49152 tokens", "vocab_size 1000", str(folder / "tokenizer.json"),
                           str(folder / "config.json"))
     assert_nothing_written(out)
@@ -153,7 +159,7 @@ def test_broken_chat_template_is_refused_at_export(tmp_path, tokenizer_dir):
     config["chat_template"] = "{% for m in messages %}{{ m }"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    proc = specrt("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
+    proc = specrt_before_torch("export", "--model", folder, "-o", out / "b", "--draft-layers", "1", "--no-parity-check")
     assert_one_line_error(proc, str(folder / "tokenizer_config.json"), "not a valid Jinja template", "line 1")
     assert_nothing_written(out)
 
@@ -162,7 +168,7 @@ def test_unsupported_family_is_refused(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    proc = specrt("export", "--model", folder, "-o", tmp_path / "out" / "b")
+    proc = specrt_before_torch("export", "--model", folder, "-o", tmp_path / "out" / "b")
     assert_one_line_error(proc, "gpt2", "not supported")
 
 
@@ -384,7 +390,7 @@ def test_model_weights_that_are_a_pickle_named_safetensors(tmp_path, tokenizer_d
     folder = save_tiny_folder(tmp_path / "m", "llama", tokenizer_dir, vocab_size=49152)
     (folder / "model.safetensors").write_bytes(pickle.dumps({"model.embed_tokens.weight": [0.0] * 8}))
     out = tmp_path / "out"
-    proc = specrt("export", "--model", folder, "-o", out / "b", "--no-parity-check")
+    proc = specrt_before_torch("export", "--model", folder, "-o", out / "b", "--no-parity-check")
     assert_one_line_error(proc, str(folder / "model.safetensors"), "not a safetensors file", "pickle")
     assert_nothing_written(out)
 
