@@ -120,9 +120,17 @@ def command(kind, target, output, epochs, max_minutes, steps, lr, batch_seqs, se
         metrics = train(loaded.module, s, out, data)
     else:
         metrics = train_from_prompts(loaded, s, out, train_cache_dir(), rows)
-    final = metrics["final"]
-    click.echo(f"{kind}: {metrics['steps_done']} steps in {final['seconds']:.0f}s"
-               f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}"
-               f"{' (stopped; --resume goes on)' if metrics.get('interrupted') else ''}; held-out top-1 per step "
-               f"{final['top1_per_step']}, τ estimate {final['tau_est']}")
+    click.echo(summary(kind, metrics))
     click.echo(f"checkpoint written: {out}  (next: specrt export --drafter {kind})")
+
+
+def summary(kind: str, metrics: dict) -> str:
+    """The run's line: steps, how it ended, and its last held-out evaluation (a run stopped before its first
+    has none yet)."""
+    final = metrics["final"]
+    ended = (f"{' (cut by --max-minutes)' if metrics['cut_by_max_minutes'] else ''}"
+             f"{' (stopped; --resume goes on)' if metrics.get('interrupted') else ''}")
+    if not final:
+        return f"{kind}: {metrics['steps_done']} steps{ended}; no held-out evaluation yet"
+    return (f"{kind}: {metrics['steps_done']} steps in {final['seconds']:.0f}s{ended}; held-out top-1 per step "
+            f"{final['top1_per_step']}, τ estimate {final['tau_est']}")

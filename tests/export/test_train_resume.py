@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from specrt.cli.train_cmd import summary
 from specrt.errors import SpecrtError
 from specrt.export import drafters
 from specrt.export.drafters.base import default_taps
@@ -61,6 +62,10 @@ def test_a_stopped_and_resumed_run_ends_where_an_unbroken_one_does(real_model, d
     out = tmp_path / "parts"
     first = train(real_model.module, _settings(), out, data, progress=False, clock=Clock())
     assert first["interrupted"] and first["steps_done"] == 3
+    for final in (first["final"], {}):  # the CLI's line, after an evaluation and for a stop before the first
+        line = summary("medusa", {**first, "final": final})
+        assert line.startswith("medusa: 3 steps") and "(stopped; --resume goes on)" in line, line
+        assert ("no held-out evaluation yet" in line) == (not final), line
     assert checkpoint.saved_run(out) is not None and (out / drafters.WEIGHTS).is_file()  # usable as it stands
     monkeypatch.setattr(loop, "Batch", real_batch)
     with pytest.raises(SpecrtError, match="--resume"):  # never silently started over
