@@ -6,6 +6,16 @@ import os
 
 import pytest
 
+from tests import kind_coverage
+
+
+def pytest_collectreport(report):
+    kind_coverage.collected_file(report)
+
+
+def pytest_itemcollected(item):
+    kind_coverage.collected_item(item)
+
 
 @pytest.fixture(scope="session")
 def default_gguf():
