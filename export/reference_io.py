@@ -26,9 +26,10 @@ PARENTS = (-1, 0, 0, 1, 1, 2)  # a branching tree of 6 tokens: root, two childre
 
 def tree_inputs(parents=PARENTS) -> tuple[np.ndarray, np.ndarray]:
     """(tree_mask [1,T,T], position_ids [1,T]) of a tree given by its parent list (parents[0] = -1):
-    the runtime's own Tree, positions = depth."""
+    the runtime's own Tree, positions = depth. Copies: a Tree's arrays are read-only (shared by every tree of
+    that shape), and these become torch tensors."""
     tree = Tree.from_parents(list(parents))
-    return tree.mask[None], tree.depth.astype(np.int64)[None]
+    return tree.mask[None].copy(), tree.depth.astype(np.int64)[None]
 
 
 def reference_feed(module: DecoderLM, seed: int = 0) -> dict[str, np.ndarray]:

@@ -60,8 +60,10 @@ def greedy_references(module, prompts: list[list[int]], tokens: int) -> list[tup
 
 
 def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: int = 2, backend: str = "auto",
-                  bounds: Bounds = Bounds(), kv_dtype: str = "auto") -> dict:
-    """`kv_dtype`: the target's KV cache (runtime/target.py kv_cache_dtype): what the prefill's attention reads."""
+                  bounds: Bounds = Bounds(), kv_dtype: str = "auto", source_model=None) -> dict:
+    """`kv_dtype`: the target's KV cache (runtime/target.py kv_cache_dtype): what the prefill's attention reads.
+    `source_model`: the bundle's source already loaded (export/loading.py `LoadedModel`), used instead of loading
+    it again; it must be the file the bundle was exported from."""
     try:
         import torch
 
@@ -77,7 +79,12 @@ def quality_check(bundle: Path, prompts: int = 10, tokens: int = 48, threads: in
     if not source.exists():
         raise SpecrtError(f"--quality compares {bundle} with the model it was exported from, {source}, which no longer "
                           "exists here: export the bundle again from a model on this machine")
-    loaded = load_model(source, keep_hf=False)
+    if source_model is None:
+        loaded = load_model(source, keep_hf=False)
+    elif Path(source_model.source).resolve() == source.resolve():
+        loaded = source_model
+    else:
+        raise SpecrtError(f"{bundle} was exported from {source}, not from the model given, {source_model.source}")
     module = loaded.module
 
     held = load_prompts("heldout")

@@ -311,7 +311,7 @@ def test_a_5_bit_bundle_computes_its_source_model(q5, backend):
     1.005 native, 1.002 ort, KL 0.022 both; quantizing the 5-bit blocks again into int4: 1.032 / 1.026, KL 0.073."""
     from specrt.tools.quality import quality_check
 
-    r = quality_check(q5[2], prompts=3, tokens=16, backend=backend)
+    r = quality_check(q5[2], prompts=3, tokens=16, source_model=q5[1], backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
     assert r["ratio"] <= 1.015 and r["kl"] <= 0.05 and r["top1_agreement"] >= 0.7, r
 
@@ -367,7 +367,7 @@ def test_a_2_and_3_bit_bundle_computes_its_source_model(low_bits):
     these formats is the Q4_K_M bundle's, tested below on both backends.)"""
     from specrt.tools.quality import quality_check
 
-    r = quality_check(low_bits[2], prompts=3, tokens=16, backend="native")
+    r = quality_check(low_bits[2], prompts=3, tokens=16, source_model=low_bits[1], backend="native")
     assert r["backend"] == "native" and r["positions"] > 200
     assert r["ratio"] <= 1.015 and r["kl"] <= 0.003 and r["top1_agreement"] >= 0.97, r
 
@@ -381,7 +381,7 @@ def test_a_k_quant_bundle_computes_its_source_model(k_quant, backend):
     0.062 / 0.081."""
     from specrt.tools.quality import quality_check
 
-    r = quality_check(k_quant[2], prompts=3, tokens=16, backend=backend)
+    r = quality_check(k_quant[2], prompts=3, tokens=16, source_model=k_quant[1], backend=backend)
     assert r["backend"] == backend and r["positions"] > 200
     # bounds with room for ONNX Runtime's int8 paths, which differ by CPU kind; a projection quantized again fails
     # the KL bound
