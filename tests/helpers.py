@@ -193,13 +193,29 @@ def raw_k_blocks(rng, kind: str, rows: int, k: int, scale: float = 0.01):
     return raw.reshape(rows, -1)
 
 
+def _first_tokens(reader, n: int) -> dict:
+    """The tokenizer fields of a GGUF cut to its first `n` tokens, with the merges whose parts and result are
+    among them, and the vocab_size that says so."""
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:n]
+    known = set(tokens)
+    out = {"llama.vocab_size": n, "tokenizer.ggml.tokens": tokens,
+           "tokenizer.ggml.merges": [m for m in reader.fields["tokenizer.ggml.merges"].contents()
+                                     if all(p in known for p in m.split(" ")) and m.replace(" ", "") in known]}
+    for name in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if name in reader.fields:
+            out[name] = reader.fields[name].contents()[:n]
+    return out
+
+
 def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K", layer1: str | None = None,
-                 table: str = "Q6_K") -> Path:
+                 table: str = "Q6_K", vocab_size: int | None = None) -> Path:
     """A 2-layer Llama GGUF typed as llama.cpp's Q4_K_M types one (`main` Q5_1: its 5-bit blocks with a minimum,
     quantized by gguf-py from normal weights, where random K-quant bytes would be far off centre): `main`
     projections, Q6_K embedding (tied head) and Q6_K attn_v / ffn_down in layer 0 (`main` in layer 1), random
     blocks; the metadata and tokenizer of the GGUF at `source` (hidden 256, 4 heads of 64, 2 KV heads, ffn 512:
     whole 256-input super-blocks). `layer1` types layer 1's projections in place of `main`, `table` the embedding.
+    `vocab_size` keeps the source's first tokens only, and the merges among them: a BPE vocabulary that parses
+    in a fraction of the time (transformers reads the header several times over).
     """
     import gguf
     import numpy as np
@@ -210,15 +226,17 @@ def k_quant_gguf(path: Path, source: Path, seed: int = 0, main: str = "Q4_K", la
             "attention.head_count_kv": 2, "rope.dimension_count": 64, "context_length": 512}
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(path), "llama")
+    kept = _first_tokens(reader, vocab_size) if vocab_size else {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         key = name.removeprefix("llama.")
         value = dims.get(key, field.contents()) if name.startswith("llama.") else field.contents()
+        value = kept.get(name, value)
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     rng = np.random.default_rng(seed)
-    h, ffn, vocab = 256, 512, int(reader.fields["llama.vocab_size"].contents())
+    h, ffn, vocab = 256, 512, vocab_size or int(reader.fields["llama.vocab_size"].contents())
 
     def quant(name: str, kind: str, rows: int, k: int):
         if kind == "Q5_1":  # a legacy type gguf-py quantizes: blocks of real (centered) weights
