@@ -207,7 +207,7 @@ def k_quant(tmp_path_factory, default_gguf):
     from tests.helpers import k_quant_gguf
 
     tmp = tmp_path_factory.mktemp("kquant")
-    path = k_quant_gguf(tmp / "tiny-q4_k_m.gguf", default_gguf)
+    path = k_quant_gguf(tmp / "tiny-q4_k_m.gguf", default_gguf, vocab_size=2048)  # a header quick to parse
     loaded = load_model(path)
     export_bundle(loaded, tmp / "bundle", ExportOptions(quantize="int4", draft_layers=None, progress=False,
                                                         check_parity=False))
@@ -273,7 +273,7 @@ def q5(tmp_path_factory, default_gguf):
     from tests.helpers import k_quant_gguf
 
     tmp = tmp_path_factory.mktemp("q5")
-    path = k_quant_gguf(tmp / "tiny-q5.gguf", default_gguf, main="Q5_1")
+    path = k_quant_gguf(tmp / "tiny-q5.gguf", default_gguf, main="Q5_1", vocab_size=2048)  # a header quick to parse
     loaded = load_model(path)
     export_bundle(loaded, tmp / "bundle", ExportOptions(quantize="int4", draft_layers=None, progress=False,
                                                         check_parity=False))
@@ -325,7 +325,8 @@ def low_bits(tmp_path_factory, default_gguf):
     from tests.helpers import k_quant_gguf
 
     tmp = tmp_path_factory.mktemp("lowbits")
-    path = k_quant_gguf(tmp / "tiny-q3.gguf", default_gguf, main="Q3_K", layer1="Q2_K", table="IQ4_XS")
+    path = k_quant_gguf(tmp / "tiny-q3.gguf", default_gguf, main="Q3_K", layer1="Q2_K", table="IQ4_XS",
+                        vocab_size=2048)
     loaded = load_model(path)
     export_bundle(loaded, tmp / "bundle", ExportOptions(quantize="int4", draft_layers=None, progress=False,
                                                         check_parity=False))
@@ -421,12 +422,12 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
     from specrt.engines.tables import EmbeddingTable, embedding_table
 
     path, loaded, bundle = k_quant
-    ids = np.array([0, 5, 49151, 7, 5])
     for gguf, folder, block in ((path, bundle, 16), (default_gguf, trained_int4_bundle, 32)):
         m = Manifest.load(folder)
         target = m.onnx_path(folder, "target")
         table = embedding_table(target)
         want = GGUFBlocks(gguf).read("token_embd.weight").dense()
+        ids = np.array([0, 5, len(want) - 1, 7, 5])  # the table's last row too
         assert table.dense is None and table.block == block and table.codes.nbytes == want.size
         assert np.array_equal(table[ids], want[ids]) and np.array_equal(table[ids[None]], want[ids][None])
         graph = onnx.load(str(target), load_external_data=False)
@@ -434,6 +435,8 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
         head = next(n for n in graph.graph.node if n.op_type == "MatMulNBits" and "embed_tokens" in n.input[1])
         assert gather.input[0] == head.input[1] == "model.embed_tokens.weight.T_Q8"  # one copy of the codes
     # the tiny graph's own lookup, in ONNX Runtime: the embedding is the graph's first op
+    want = GGUFBlocks(path).read("token_embd.weight").dense()
+    ids = np.array([0, 5, len(want) - 1, 7, 5])
     model = onnx.load(str(target := Manifest.load(bundle).onnx_path(bundle, "target")))
     node = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
     inits = [t for t in model.graph.initializer if t.name in node.input]
@@ -444,7 +447,6 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
                                                       onnx.helper.make_opsetid("com.microsoft", 1)])
     got = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {node.input[1]: ids[None]})[0]  # [1, 5, blocks, block]: the graph's Reshape makes rows of them
-    want = GGUFBlocks(path).read("token_embd.weight").dense()
     assert np.array_equal(got[0].reshape(len(ids), -1), want[ids])
     cfg = Manifest.load(bundle).graphs["target"].config
     dec = NativeDecoder(target, cfg, 64)
