@@ -77,7 +77,7 @@ def test_module_mask_is_the_sliding_rule():
     """The torch module's mask: row t (position past_len + depth - 1) sees committed row j iff
     pos - j < W, and an ancestor u iff depth(t) - depth(u) < W."""
     tree, past, window = TREES["tree"], 6, 2
-    mask = torch.from_numpy(tree.mask)[None]
+    mask = torch.from_numpy(tree.mask.copy())[None]  # a Tree's arrays are read-only (shared per shape)
     allowed = attention_mask(torch.tensor([past]), mask, past + tree.size, window)[0, 0] == 0
     depth = tree.mask.sum(-1)
     key_pos = np.r_[np.arange(past), past + depth - 1]

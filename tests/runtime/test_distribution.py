@@ -10,6 +10,7 @@ draws from the draft) proposals, with and without temperature/top-k/top-p. Pears
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -45,6 +46,14 @@ def exact_distribution(params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
+@functools.cache
+def draft_dist(a: int, b: int, params: SamplingParams) -> np.ndarray:
+    """The draft's warped next-token distribution after (a, b): 36 contexts, computed once each (read-only)."""
+    dist = warp(DRAFT[a, b], params)
+    dist.flags.writeable = False
+    return dist
+
+
 def propose(ctx: list[int], shape: Tree, max_depth: int, stochastic: bool, params, rng):
     """Window tokens, tree and draft rows for `shape` (cut at max_depth), as the draft drafter does."""
     keep = [i for i in range(1, shape.size) if shape.depth[i] <= max_depth]
@@ -52,7 +61,7 @@ def propose(ctx: list[int], shape: Tree, max_depth: int, stochastic: bool, param
     hist = {0: list(ctx)}
     for i in keep:
         p = shape.parents[i]
-        dist = warp(DRAFT[hist[p][-2], hist[p][-1]], params)
+        dist = draft_dist(hist[p][-2], hist[p][-1], params)
         if stochastic:
             tokens[i], q[i] = sample_from(dist, float(rng.random())), dist
         else:
