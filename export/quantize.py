@@ -285,9 +285,17 @@ def carry_blocks(model: onnx.ModelProto, blocks: dict, s: Scheme, exact: bool = 
 
 def _check(weight: str, b, want: np.ndarray, exact: bool) -> None:
     got = b.dense()
-    if got.shape != want.shape or (exact and not np.allclose(got, want, rtol=2**-20, atol=0)):
+    if got.shape != want.shape or (exact and not _close(got, want, 2**-20)):
         raise SpecrtError(f"internal: the model file's blocks for {weight} are not the weights the graph holds "
                           "(export with --requantize to quantize them again)")
+
+
+def _close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
+    """np.allclose(got, want, rtol, atol=0) for float32 weights, in place of its temporaries (2-3x faster:
+    seconds over a model's 10^8 weights)."""
+    d = np.subtract(got, want, dtype=np.float32)
+    np.abs(d, out=d)
+    return bool(np.all(d <= np.abs(want).astype(np.float32, copy=False) * np.float32(rtol)))
 
 
 def quantize_model(model: onnx.ModelProto, s: Scheme, blocks: dict | None = None,

@@ -156,3 +156,26 @@ def test_a_drafter_precision_without_quantize_is_refused(tmp_path):
                                       "--drafter-quantize", "int8"])
     assert result.exit_code == 2 and "--drafter-quantize" in result.output and "needs --quantize" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_carried_blocks_must_be_the_graphs_weights_to_2_pow_minus_20():
+    """The check that a model file's blocks are the weights the graph holds (quantize._check) agrees with
+    np.allclose(rtol=2^-20, atol=0): a weight off by 2^-22 of itself passes, by 2^-18 fails, NaN fails."""
+    from types import SimpleNamespace
+
+    from specrt.errors import SpecrtError
+
+    want = np.random.default_rng(3).standard_normal((64, 96)).astype(np.float32)
+    for scale, ok in ((1 + 2**-22, True), (1 + 2**-18, False)):
+        got = want.copy()
+        got[5, 7] *= np.float32(scale)
+        assert quantize._close(got, want, 2**-20) == np.allclose(got, want, rtol=2**-20, atol=0) == ok
+        block = SimpleNamespace(dense=lambda got=got: got)
+        if ok:
+            quantize._check("w", block, want, exact=True)
+        else:
+            with pytest.raises(SpecrtError, match="the model file's blocks for w are not the weights"):
+                quantize._check("w", block, want, exact=True)
+    got = want.copy()
+    got[0, 0] = np.nan
+    assert not quantize._close(got, want, 2**-20)
