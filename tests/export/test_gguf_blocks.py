@@ -20,8 +20,14 @@ PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
                "ffn_down": "mlp.down_proj"}
 
 
-def test_every_block_tensor_is_the_weight_transformers_loads(default_gguf, real_model):
-    g = GGUFBlocks(default_gguf)
+@pytest.fixture(scope="module")
+def default_blocks(default_gguf):
+    """The default model file's blocks, its header parsed once for the module (seconds: a 49,152-token vocabulary)."""
+    return GGUFBlocks(default_gguf)
+
+
+def test_every_block_tensor_is_the_weight_transformers_loads(default_blocks, real_model):
+    g = default_blocks
     state = real_model.module.state_dict()
     cfg = real_model.module.cfg
     heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
@@ -127,7 +133,7 @@ def _rows(blocks: Blocks, x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ blocks.dense().astype(np.float64).T
 
 
-def test_matmulnbits_nodes_give_the_blocks_back(default_gguf, real_model):
+def test_matmulnbits_nodes_give_the_blocks_back(default_blocks, real_model):
     """Each format as a MatMulNBits node: ONNX Runtime computes the blocks' product (to int8 activations), and
     the native reader gets the very scales, codes and minimums back (a flat Q4_1 block included; Q6_K's
     halves as 8-bit blocks of 16; Q5_K's minimums as a term of their own)."""
@@ -135,7 +141,7 @@ def test_matmulnbits_nodes_give_the_blocks_back(default_gguf, real_model):
 
     from specrt.engines.native.weights import _nbits
 
-    g = GGUFBlocks(default_gguf)
+    g = default_blocks
     q4m = g.read("blk.0.attn_v.weight")
     q4m.scales[0, 0] = 0.0  # as a constant block quantizes: d 0, every weight m
     q4m.q[0, 0] = 0
@@ -173,8 +179,8 @@ def test_matmulnbits_nodes_give_the_blocks_back(default_gguf, real_model):
             assert np.array_equal(back[0, :32], np.full(32, b.mins[0, 0], np.float32))  # the flat block: m
 
 
-def test_zero_points_give_the_minimums_back_to_an_ulp(default_gguf):
-    g = GGUFBlocks(default_gguf)
+def test_zero_points_give_the_minimums_back_to_an_ulp(default_blocks):
+    g = default_blocks
     b = g.read("blk.7.ffn_gate.weight")
     z = quantize.exact_zero_points(b.scales, b.mins)
     naive = (-b.mins / b.scales).astype(np.float32)
