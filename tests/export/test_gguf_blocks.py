@@ -415,7 +415,7 @@ def test_int4_head_carries_every_block_but_the_heads(k_quant, tmp_path):
     assert r.exit_code == 2 and "--int4-head quantizes the head of a GGUF" in r.output
 
 
-def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_quant, default_gguf, real_model,
+def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_quant, default_blocks, real_model,
                                                                             trained_int4_bundle):
     """The table as int8 blocks (Q6_K: blocks of 16; Q8_0: of 32) in place of 4 bytes a weight, the very codes
     the tied head's MatMulNBits reads (one copy): ONNX Runtime's GatherBlockQuantized and the native lookup
@@ -428,11 +428,12 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
     from specrt.engines.tables import EmbeddingTable, embedding_table
 
     path, loaded, bundle = k_quant
-    for gguf, folder, block in ((path, bundle, 16), (default_gguf, trained_int4_bundle, 32)):
+    tiny = GGUFBlocks(path)
+    for file, folder, block in ((tiny, bundle, 16), (default_blocks, trained_int4_bundle, 32)):
         m = Manifest.load(folder)
         target = m.onnx_path(folder, "target")
         table = embedding_table(target)
-        want = GGUFBlocks(gguf).read("token_embd.weight").dense()
+        want = file.read("token_embd.weight").dense()
         ids = np.array([0, 5, len(want) - 1, 7, 5])  # the table's last row too
         assert table.dense is None and table.block == block and table.codes.nbytes == want.size
         assert np.array_equal(table[ids], want[ids]) and np.array_equal(table[ids[None]], want[ids][None])
@@ -441,7 +442,7 @@ def test_the_embedding_table_stays_in_its_blocks_and_its_rows_are_the_files(k_qu
         head = next(n for n in graph.graph.node if n.op_type == "MatMulNBits" and "embed_tokens" in n.input[1])
         assert gather.input[0] == head.input[1] == "model.embed_tokens.weight.T_Q8"  # one copy of the codes
     # the tiny graph's own lookup, in ONNX Runtime: the embedding is the graph's first op
-    want = GGUFBlocks(path).read("token_embd.weight").dense()
+    want = tiny.read("token_embd.weight").dense()
     ids = np.array([0, 5, len(want) - 1, 7, 5])
     model = onnx.load(str(target := Manifest.load(bundle).onnx_path(bundle, "target")))
     node = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
