@@ -28,6 +28,7 @@ from specrt.export.modeling import DecoderLM
 from specrt.export.partials import remove_stale_partials
 from specrt.export.reference_io import save_references
 from specrt.export.safetensors_file import check_folder
+from specrt.export.source_checks import check_same_vocab
 from specrt.plugins.onnx_builder import OPSET
 from specrt.runtime.exactness import measure_record, store_in_manifest
 from specrt.schema.digests import file_digests
@@ -80,10 +81,7 @@ def truncated_draft(module: DecoderLM, num_layers: int) -> DecoderLM:
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    tv, dv = target.module.cfg.vocab_size, draft.module.cfg.vocab_size
-    if tv != dv:
-        raise SpecrtError(f"draft vocab {dv} != target vocab {tv} ({draft.source}): "
-                          "the drafter must share the target's tokenizer")
+    check_same_vocab(target.module.cfg.vocab_size, draft.module.cfg.vocab_size, draft.source)
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise SpecrtError(f"draft tokenizer of {draft.source} differs from the target's: "
                           "the drafter must share the target's tokenizer")

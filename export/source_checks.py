@@ -93,11 +93,11 @@ def check_folder_source(path: Path) -> dict | None:
     return config
 
 
-def check_same_vocab(target: dict | None, draft: dict | None, draft_path: Path) -> None:
-    """A draft model whose config gives another vocab_size than the target's, refused as the export would."""
-    tv, dv = (c.get("vocab_size") if c else None for c in (target, draft))
-    if isinstance(tv, int) and isinstance(dv, int) and tv != dv:
-        raise SpecrtError(f"draft vocab {dv} != target vocab {tv} ({draft_path}): "
+def check_same_vocab(target_vocab, draft_vocab, draft_source) -> None:
+    """A draft model with another vocab_size than the target's is refused (the CLI from the folders' configs,
+    before torch; the export from the loaded models). A size not known yet (None) is left to the load."""
+    if isinstance(target_vocab, int) and isinstance(draft_vocab, int) and target_vocab != draft_vocab:
+        raise SpecrtError(f"draft vocab {draft_vocab} != target vocab {target_vocab} ({draft_source}): "
                           "the drafter must share the target's tokenizer")
 
 

@@ -79,7 +79,7 @@ def command(model, output, draft_layers, draft_model, drafter_kinds, drafter_wei
             split_source(Path(source))
     configs = [check_folder_source(Path(s)) if s is not None else None for s in (model, draft_model)]
     if draft_model is not None:
-        check_same_vocab(*configs, Path(draft_model))
+        check_same_vocab(*(c.get("vocab_size") if c else None for c in configs), Path(draft_model))
     from specrt.export.bundle import ExportOptions, export_bundle
 
     learned = tuple((k, folder or drafter_weights) for k, folder in dict(drafter_kinds).items())

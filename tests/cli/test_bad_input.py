@@ -14,21 +14,19 @@ import pytest
 
 from tests.helpers import save_tiny_folder
 
-
-def specrt(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from specrt.cli import main; main()", *map(str, args)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-
-
+_CLI = "from specrt.cli import main; main()"
 # the CLI, reporting on stdout as it exits whether torch was imported by then
-_REPORTS_TORCH = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
-                  "from specrt.cli import main; main()")
+_REPORTS_TORCH = "import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); " + _CLI
+
+
+def specrt(*args, env=None, script=_CLI) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
 def specrt_before_torch(*args) -> subprocess.CompletedProcess:
     """The CLI, for an error its input's files show: it must come before torch is imported (seconds)."""
-    proc = subprocess.run([sys.executable, "-c", _REPORTS_TORCH, *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    proc = specrt(*args, script=_REPORTS_TORCH)
     assert "torch imported: False" in proc.stdout, (proc.stdout, proc.stderr[-1500:])
     return proc
 
@@ -141,6 +139,20 @@ def test_vocab_mismatch_is_refused(tmp_path, tokenizer_dir):
     proc = specrt_before_torch("export", "--model", target, "--draft-model", draft, "-o", out / "b", "--no-parity-check")
     assert_one_line_error(proc, "draft vocab 49280", "target vocab 49152", "tokenizer", str(draft))
     assert_nothing_written(out)
+
+
+def test_the_export_refuses_a_loaded_draft_of_another_vocab_with_the_same_line():
+    """A draft whose folder does not show its vocab_size (a .gguf) is refused by the export, once loaded."""
+    from types import SimpleNamespace
+
+    from specrt.errors import SpecrtError
+    from specrt.export.bundle import check_same_tokenizer
+
+    def loaded(vocab, source):
+        return SimpleNamespace(module=SimpleNamespace(cfg=SimpleNamespace(vocab_size=vocab)), source=source)
+
+    with pytest.raises(SpecrtError, match=r"draft vocab 49280 != target vocab 49152 \(d.gguf\): .*tokenizer"):
+        check_same_tokenizer(loaded(49152, "t.gguf"), loaded(49280, "d.gguf"))
 
 
 def test_config_vocab_below_the_tokenizer_ids_is_refused(tmp_path, tokenizer_dir):
