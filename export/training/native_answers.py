@@ -44,10 +44,15 @@ class NativePasses:
         return torch.from_numpy(out["logits"].reshape(b * index.shape[1], -1).copy()), hidden, aux
 
     def prefill(self, b: int, prompt: list[int]):
-        t = len(prompt)
+        return self.extend(b, np.asarray(prompt, np.int64), 0)
+
+    def extend(self, b: int, ids: np.ndarray, start: int):
+        """Rows `start`.. of slot `b` for token `ids`, after the `start` rows its KV holds (a prefill in
+        chunks: replay.py): (logits [t, V], hidden [t, H] fp16, aux [t, A] fp16)."""
+        t = len(ids)
         self.decoder.select(b, b + 1)
         rows = np.arange(t, dtype=np.int64)[None]
-        return self._run(np.asarray([prompt], np.int64), rows, np.zeros(1, np.int64),
+        return self._run(np.asarray(ids, np.int64)[None], rows + start, np.array([start], np.int64),
                          np.tril(np.ones((t, t), bool))[None], rows)
 
     def decode(self, lo: int, hi: int, ids: list[int], past: list[int]):

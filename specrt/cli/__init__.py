@@ -12,7 +12,7 @@ from specrt.paths import HOME_HELP
 
 COMMAND_MODULES = ("export_cmd", "distill_cmd", "train_cmd", "build_cmd", "generate_cmd", "bench_cmd", "tune_cmd", "validate_cmd",
                    "doctor_cmd", "serve_cmd", "export_triton_cmd", "bench_serve_cmd", "serve_triton_cmd",
-                   "prompts_cmd", "code_prompts_cmd", "text_prompts_cmd")
+                   "prompts_cmd", "code_prompts_cmd", "text_prompts_cmd", "answers_cmd")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=HOME_HELP)
