@@ -1,9 +1,10 @@
 """A distillation store's answers alone, small enough to keep in git: every sequence's token ids, prompt
 length, split and job id, with the store's key, taps and prompt digests. The features are what makes a
-store large (~4.6 KB a row of hidden and tapped states); the answers are ~2 bytes a row, and
+store large (~4.6 KB a row of hidden and tapped states); the answers are ~1 byte an answer token, and
 `replay.replay_answers` recomputes the rest from them on the native kernels, bit for bit.
 
-    STORE ──save_answers──► FILE.npz (zlib; token ids as uint16 where the vocabulary allows)
+    STORE ──save_answers──► FILE.npz (LZMA; token ids as uint16 where the vocabulary allows: ~0.7 bytes
+                            a row on SmolLM2's answers, ~1 byte an answer token with the metadata)
     FILE.npz ──load_answers──► Answers (checked whole before anything reads it)
 
 The file is a plain NumPy archive read with `allow_pickle=False`: the job ids and the metadata are
@@ -60,7 +61,7 @@ def _json_bytes(obj) -> np.ndarray:
 def save_answers(store: Path, path: Path) -> dict:
     """Write every sequence of the distillation store `store` to `path` (replaced whole: a stop mid-write
     leaves the old file); returns a summary (sequences, rows, answer tokens, bytes)."""
-    from specrt.export.training.store import MappedData
+    from specrt.export.training.store import MappedData, answered_ids
 
     store, path = Path(store), Path(path)
     meta = check_store(store)
@@ -70,14 +71,20 @@ def save_answers(store: Path, path: Path) -> dict:
     tokens = np.concatenate([np.asarray(s["tokens"]) for s in data.shards]).astype(np.int64)
     small = tokens.size == 0 or (tokens.min() >= 0 and tokens.max() <= np.iinfo(np.uint16).max)
     jobs = [j for s in meta["shards"] for j in s["jobs"]]
-    head = {"format": FORMAT, "version": VERSION, "key": meta["key"], "taps": meta["taps"],
-            "prompts": meta.get("prompts", {})}
+    answered = answered_ids(meta)  # the digests of prompts it holds answers to, not of its whole corpus
+    prompts = {i: d for i, d in meta.get("prompts", {}).items() if i in answered}
+    head = {"format": FORMAT, "version": VERSION, "key": meta["key"], "taps": meta["taps"], "prompts": prompts}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
     try:
-        np.savez_compressed(tmp, tokens=tokens.astype(np.uint16 if small else np.int32),
-                            offsets=data.offsets.numpy().astype(np.int64), prompt_lens=data.prompt_lens.numpy(),
-                            heldout=data.heldout.numpy(), jobs=_json_bytes(jobs), meta=_json_bytes(head))
+        arrays = {"tokens": tokens.astype(np.uint16 if small else np.int32),
+                  "offsets": data.offsets.numpy().astype(np.int64), "prompt_lens": data.prompt_lens.numpy(),
+                  "heldout": data.heldout.numpy(), "jobs": _json_bytes(jobs), "meta": _json_bytes(head)}
+        # an .npz np.load reads, its members LZMA-compressed (0.78x zlib's size on these arrays)
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_LZMA) as z:
+            for name, a in arrays.items():
+                with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, a, allow_pickle=False)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)

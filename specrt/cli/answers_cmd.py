@@ -13,7 +13,7 @@ from specrt.cli.options import stop_on_sigterm
 
 @click.group("answers")
 def command() -> None:
-    """A distillation store's answers alone (~2 bytes a token, small enough to keep in git), and the whole
+    """A distillation store's answers alone (~1 byte an answer token, small enough to keep in git), and the whole
     store rebuilt from them on the native kernels: what took hours of generation to write takes a prefill
     per answer to restore, on any machine."""
 

@@ -1,0 +1,50 @@
+#!/bin/bash
+# One round of the shipped EAGLE-3 head's recipe (docs/training.md), resumable and meant for nohup:
+#
+#   committed answers ──specrt answers replay──► a store ──specrt train (warm, --resume)──► a head
+#   ──specrt export──► a bundle ──scripts/chain_alpha.py, runtime_acceptance.py──► its run-time α1
+#
+# Every step skips what is done, so a stopped round (a session's end, TRAIN_MINUTES) goes on where it was
+# when run again, on the same machine; on a fresh one it starts again from the committed answers.
+#
+#   ANSWERS="drafters/smollm2-135m-instruct/answers/*.npz" OUT=artifacts/train/eagle3-r8 \
+#       nohup setsid bash scripts/train_round.sh >> artifacts/train/round.log 2>&1 &
+#
+# The head is scored only when its epoch is whole (a head the clock cut is not compared: the warm start's
+# first steps cost accuracy the rest of the epoch wins back). Ship it only if its α1 beats the shipped
+# head's (drafters/smollm2-135m-instruct/eagle3/metrics.json "run_time").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SPECRT=${SPECRT:-.venv/bin/specrt}
+PY=${PY:-.venv/bin/python}
+BUNDLE=${BUNDLE:-artifacts/bundles/smollm2-135m-instruct}
+SHIPPED=${SHIPPED:-drafters/smollm2-135m-instruct/eagle3}
+STORE=${STORE:-artifacts/train/store}
+OUT=${OUT:?name the head folder, e.g. OUT=artifacts/train/eagle3-r8}
+TRAIN_MINUTES=${TRAIN_MINUTES:-400}
+THREADS=${THREADS:-2}
+say() { echo "[$(date -u +%FT%TZ)] $*"; }
+
+[ -f "$BUNDLE/manifest.json" ] || { say "no bundle at $BUNDLE: run make build first"; exit 2; }
+for a in ${ANSWERS:?name the answer files, e.g. ANSWERS=\"drafters/smollm2-135m-instruct/answers/*.npz\"}; do
+    say "replay $a into $STORE"
+    nice -n 10 "$SPECRT" answers replay "$a" --target "$BUNDLE" --store "$STORE" --threads "$THREADS"
+done
+
+resume=()
+[ -f "$OUT.train-state/state.json" ] && resume=(--resume)  # export/training/checkpoint.py's saved run
+say "train $OUT ${resume[*]}"
+nice -n 10 "$SPECRT" train eagle3 --store "$STORE" --init "$SHIPPED" --epochs 1 --batch 8 --lr 5e-4 --steps 3 \
+    --draft-vocab 4096 --save-dtype fp16 --checkpoint-minutes 10 --max-minutes "$TRAIN_MINUTES" \
+    "${resume[@]}" -o "$OUT"
+whole='import json, sys; m = json.load(open(sys.argv[1])); sys.exit(m["cut_by_max_minutes"] or m.get("interrupted", False))'
+if "$PY" -c "$whole" "$OUT/metrics.json"; then
+    name=$(basename "$OUT")
+    say "epoch whole: export and score $name"
+    "$SPECRT" export -o "artifacts/bundles/smollm2-$name" --quantize int4 --drafter "eagle3=$OUT"
+    "$PY" scripts/chain_alpha.py "artifacts/bundles/smollm2-$name" --threads "$THREADS"
+    "$PY" scripts/runtime_acceptance.py "artifacts/bundles/smollm2-$name" --threads "$THREADS"
+    say "compare α1 with $SHIPPED/metrics.json's run_time; if better: runtime_acceptance.py --write $OUT, commit it"
+else
+    say "stopped or cut by TRAIN_MINUTES=$TRAIN_MINUTES: run this again to go on from the checkpoint"
+fi
