@@ -30,7 +30,7 @@ from specrt.export.reference_io import save_references
 from specrt.export.safetensors_file import check_folder
 from specrt.export.source_checks import check_same_vocab
 from specrt.plugins.onnx_builder import OPSET
-from specrt.runtime.exactness import measure_record, store_in_manifest
+from specrt.runtime.exactness import measured_here, store_in_manifest
 from specrt.schema.digests import file_digests
 from specrt.schema.manifest import GraphEntry, Manifest
 
@@ -330,6 +330,6 @@ def _export_bundle(model: Path | LoadedModel, out: Path, opts: ExportOptions) ->
                                 artifacts=artifacts, drafters=drafter_entries)
             steps.set_postfix_str("batch invariance on this machine")
             # measured here for the machine that exported; other machines measure at build or load
-            store_in_manifest(manifest, measure_record(tmp, manifest, opts.threads, "ort"))
+            store_in_manifest(manifest, measured_here(tmp, manifest, opts.threads, "ort"))
             manifest.save(tmp)
     return manifest

@@ -157,6 +157,50 @@ def cache_path(bundle: Path, manifest, graph: Path, fp: Fingerprint) -> Path:
     return home() / "cache" / "exactness" / (hashlib.sha256(ident.encode()).hexdigest()[:24] + ".json")
 
 
+def content_key(graph: Path, fp: Fingerprint) -> str:
+    """An id of the bytes `graph` runs with (the file and each external-data file beside it that it names)
+    on the machine `fp`, for the measurements invariance.py makes today."""
+    from specrt.runtime import invariance
+
+    h = hashlib.sha256(json.dumps([fp.key, list(invariance.CHECKS), invariance.ROWS, invariance.BATCH]).encode())
+    data = graph.read_bytes()
+    h.update(data)
+    for other in sorted(graph.parent.glob("*.data")):
+        if other.name.encode() in data:  # an external-data location is stored as its file name
+            with other.open("rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def measured_here(bundle: Path, manifest, threads: int, backend: str) -> dict:
+    """`measure_record` of the target graph `backend` runs, or this machine's record for a graph of the same
+    bytes measured before (an export or build of the same target again): the same answer, seconds sooner.
+    Keyed by content, not by file times as `resolve`'s cache is, since an export writes new files."""
+    from specrt.engines.registry import graph_path
+    from specrt.paths import home
+
+    graph = graph_path(backend, bundle, manifest, "target")
+    fp = Fingerprint.here(threads, backend)
+    try:
+        path = home() / "cache" / "exactness" / f"content-{content_key(graph, fp)}.json"
+    except OSError as e:
+        raise SpecrtError(f"cannot read the target graph {graph} ({e}): export the bundle again") from None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        record = None  # none yet, or damaged: measured again
+    if (isinstance(record, dict) and record.get("key") == fp.key and record.get("graph") == _relative(graph, bundle)
+            and usable(record, backend, "auto")):
+        return record
+    record = measure_record(bundle, manifest, threads, backend, graph=graph)
+    try:
+        _write_atomic(path, json.dumps(record, indent=1))
+    except OSError:
+        pass  # a read-only home: measured again next time, still correct
+    return record
+
+
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

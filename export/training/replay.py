@@ -77,7 +77,7 @@ def replay_answers(answers: Answers, root: Path, bundle: Path, threads: int = 2,
     agree = [0, 0]
     t0 = time.perf_counter()
     bar = tqdm(total=rows, desc="replay answers", unit="row", disable=not progress, mininterval=5)
-    made = 0
+    made = done_rows = 0
     try:
         for i in todo:
             if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
@@ -90,6 +90,7 @@ def replay_answers(answers: Answers, root: Path, bundle: Path, threads: int = 2,
                 agree[1] += len(tokens) - start
             writer.add(answers.jobs[i], fields, start, bool(answers.heldout[i]))
             made += 1
+            done_rows += len(tokens)
             if writer.pending_rows() >= SHARD_ROWS:
                 writer.flush()
             bar.update(len(tokens))
@@ -98,7 +99,7 @@ def replay_answers(answers: Answers, root: Path, bundle: Path, threads: int = 2,
         bar.close()
     seconds = time.perf_counter() - t0
     return {"store": str(root), "bundle": str(bundle), "made": made, "sequences": len(writer.done_jobs),
-            "left": len(todo) - made, "seconds": round(seconds, 1), "rows_per_second": round(bar.n / max(seconds, 1e-9), 1),
+            "left": len(todo) - made, "seconds": round(seconds, 1), "rows_per_second": round(done_rows / max(seconds, 1e-9), 1),
             "answer_tokens": writer.answer_tokens, "same_graph": wrote == digest,
             "greedy_argmax_is_stored_token": round(agree[0] / agree[1], 4) if agree[1] else None,
             "branches": {"native_kernel": passes.decoder.kernel_record}}

@@ -29,7 +29,7 @@ def command(bundle, backend, precision, max_seq_len, max_window, threads):
     from specrt.engines.ort_cpu.build import build_ort
     from specrt.engines.registry import resolve_backend
     from specrt.engines.trt.build import INSTALL_HINT, build_trt, tensorrt_available
-    from specrt.runtime.exactness import measure_record, store_in_manifest
+    from specrt.runtime.exactness import measured_here, store_in_manifest
     from specrt.schema.manifest import Manifest
 
     path = resolve_bundle(bundle)
@@ -38,13 +38,13 @@ def command(bundle, backend, precision, max_seq_len, max_window, threads):
         manifest.artifacts["onnxruntime"] = build_ort(path, manifest, threads)
         for role, g in manifest.artifacts["onnxruntime"]["graphs"].items():
             click.echo(f"onnxruntime: {role} -> {g['file']} ({g['seconds']}s)")
-        record = measure_record(path, manifest, threads, "ort")
+        record = measured_here(path, manifest, threads, "ort")
         store_in_manifest(manifest, record)
         manifest.save(path)
         echo_exactness(record)
         native, why = resolve_backend("auto", path, manifest)
         if native == "native":  # the runtime's default backend here: compiled and measured now, not at first use
-            record = measure_record(path, manifest, threads, "native")
+            record = measured_here(path, manifest, threads, "native")
             store_in_manifest(manifest, record)
             manifest.save(path)
             echo_exactness(record)

@@ -55,6 +55,7 @@ def test_a_replayed_store_is_the_distilled_store_bit_for_bit(distilled, trained_
     # chunks of 8 rows: every prompt and answer spans several passes
     s = replay_answers(answers, tmp_path / "replayed", trained_int4_bundle, progress=False, chunk=8)
     assert s["made"] == len(want) and s["same_graph"] and s["greedy_argmax_is_stored_token"] == 1.0
+    assert s["rows_per_second"] > 0 and s["left"] == 0
     got = _by_job(tmp_path / "replayed")
     assert got.keys() == want.keys()
     for job, (fields, prompt_len, heldout) in want.items():

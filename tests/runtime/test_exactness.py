@@ -114,6 +114,45 @@ def test_another_machine_measures_once_then_reads_its_cache(tiny_bundle, home):
     assert forced.source == "measured now" and forced.mode.name == "pad4"
 
 
+def test_an_export_of_the_same_graph_reuses_its_measurement(tiny_bundle, home, tmp_path, monkeypatch):
+    """Export and build measure through a cache keyed by the graph's bytes: a copy (new files, new times) is
+    answered from it, changed bytes or another thread count are measured again."""
+    import shutil
+
+    import onnx
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_bundle, copy)
+    measured = []
+    real = exactness.measure_record
+    monkeypatch.setattr(exactness, "measure_record", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
+    first = exactness.measured_here(tiny_bundle, Manifest.load(tiny_bundle), 2, "ort")
+    assert measured == ["ort"] and len(list((home / "cache" / "exactness").glob("content-*.json"))) == 1
+    m = Manifest.load(copy)
+    assert exactness.measured_here(copy, m, 2, "ort") == first and measured == ["ort"]
+    exactness.measured_here(copy, m, 1, "ort")  # another machine fingerprint
+    graph = copy / m.graphs["target"].file
+    model = onnx.load(str(graph), load_external_data=False)
+    model.doc_string = "other bytes"
+    onnx.save_model(model, str(graph))
+    again = exactness.measured_here(copy, m, 2, "ort")
+    assert measured == ["ort"] * 3 and again["chosen"] == first["chosen"]
+
+
+def test_the_content_key_covers_the_external_data_a_graph_names(tmp_path):
+    fp = Fingerprint.here(2)
+    graph = tmp_path / "g.onnx"
+    graph.write_bytes(b"graph naming g.onnx.data")
+    (tmp_path / "g.onnx.data").write_bytes(b"weights")
+    (tmp_path / "other.onnx.data").write_bytes(b"x")
+    key = exactness.content_key(graph, fp)
+    (tmp_path / "other.onnx.data").write_bytes(b"y")  # not named by the graph
+    assert exactness.content_key(graph, fp) == key
+    (tmp_path / "g.onnx.data").write_bytes(b"weightz")
+    assert exactness.content_key(graph, fp) != key
+    assert exactness.content_key(graph, Fingerprint.here(1)) != exactness.content_key(graph, fp)
+
+
 def _inexact(monkeypatch, tiny_bundle):
     """Make every Generator believe no mode is exact on this machine (a measured record saying so)."""
     m = Manifest.load(tiny_bundle)
