@@ -35,10 +35,10 @@ DRAFTER_FLAGS = $$(for f in $(SPECRT_HOME)/drafters/*/model.safetensors; do [ -f
 	echo --drafter $$(basename $$(dirname "$$f")); done; for d in $(SHIPPED_DRAFTERS)/*; do k=$$(basename "$$d"); \
 	[ -f "$$d/model.safetensors" ] && [ ! -f "$(SPECRT_HOME)/drafters/$$k/model.safetensors" ] && echo --drafter "$$k=$$d"; done)
 
-.PHONY: train-shipped distill serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
+.PHONY: train-shipped train-round distill serve serve-triton bench-serve load-serve setup setup-peers peer-models export build run test bench bench-drafters tune train validate lint doctor clean distclean help gpu-check
 
 help:
-	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | distill | train | train-shipped | bench-drafters | validate | gpu-check | lint | doctor | clean"
+	@echo "make run | setup | setup-peers | peer-models | export | build | test | bench | serve | serve-triton | bench-serve | load-serve | tune | distill | train | train-shipped | train-round | bench-drafters | validate | gpu-check | lint | doctor | clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -106,19 +106,22 @@ bench: build $(FP32_BUNDLE)/manifest.json setup-peers peer-models
 tune: build
 	$(SPECRT) tune $(BUNDLE) --threads $(THREADS)
 
-# Requests about real code, cut from this Python's standard library (not committed: the machine's own code).
-CODE_PROMPTS ?= $(SPECRT_HOME)/train/code.jsonl
-$(CODE_PROMPTS): | setup
-	$(SPECRT) code-prompts -o $@ --count 3000
-
 # The deployed target's own answers at scale, with its own states as the features (resumable: run it again
 # to go on after a stop), to every prompt file shipped beside the head (the target's own Magpie prompts of each
-# kind: drafters/<model>/prompts/*.jsonl).
+# kind, and requests about CPython 3.11's standard library: drafters/<model>/prompts/*.jsonl).
 SHIPPED_PROMPTS = $(sort $(wildcard $(SHIPPED_DRAFTERS)/prompts/*.jsonl))
-distill: build $(CODE_PROMPTS)
+distill: build
 	$(SPECRT) distill --backend native --target $(BUNDLE) --prompts specrt/data/train_prompts.jsonl \
-		$(foreach f,$(SHIPPED_PROMPTS),--prompts $(f)) --prompts $(CODE_PROMPTS) --tokens $(DISTILL_TOKENS) \
-		--slots 32 --store $(STORE)
+		$(foreach f,$(SHIPPED_PROMPTS),--prompts $(f)) --tokens $(DISTILL_TOKENS) --slots 32 --store $(STORE)
+
+# One resumable round of the shipped head's recipe from the answers kept in git (scripts/train_round.sh):
+# replay them into $(STORE), train warm from the shipped head for at most TRAIN_MINUTES (REPLAY_MINUTES caps
+# the replay), then export and score the head beside the shipped one. Run it in the background (nohup).
+ANSWERS ?= $(wildcard $(SHIPPED_DRAFTERS)/answers/*.npz)
+ROUND ?= $(SPECRT_HOME)/train/eagle3-round
+train-round: build
+	ANSWERS="$(ANSWERS)" OUT=$(ROUND) STORE=$(STORE) BUNDLE=$(BUNDLE) SHIPPED=$(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) \
+		TRAIN_MINUTES=$(TRAIN_MINUTES) THREADS=$(THREADS) SPECRT=$(SPECRT) PY=$(PY) bash scripts/train_round.sh
 
 # Self-distil every drafter kind for the default model on the graph-featured store (≤ TRAIN_MINUTES each).
 train: distill
