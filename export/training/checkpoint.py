@@ -26,7 +26,8 @@ STATE_SUFFIX = ".train-state"
 TENSORS, META = "state.safetensors", "state.json"
 VOCAB_KEYS = ("d2t", "head_vocab")  # the draft vocabulary: the new data's, never the warm start's
 # settings a resumed run must share with the run it continues (others, such as --max-minutes, may change)
-FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision")
+FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision", "loss_rows", "step_decay")
+FIXED_DEFAULTS = {"loss_rows": "all", "step_decay": 1.0}  # what a run saved before these settings existed used
 
 
 @dataclass
@@ -110,7 +111,7 @@ def load_run(out: Path, module, opt: torch.optim.Optimizer, rng: torch.Generator
         run = RunState(**meta["run"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise SpecrtError(f"{folder / META} is damaged ({type(e).__name__}): remove {folder} and start again") from None
-    if said := changes(meta["settings"], settings, FIXED):
+    if said := changes({**FIXED_DEFAULTS, **meta["settings"]}, settings, FIXED):
         raise SpecrtError(f"--resume: the run in {folder} was started with other settings ({said}): use the "
                           "same ones, or train into another -o folder")
     check_safetensors(folder / TENSORS, f"remove {folder} and start again")

@@ -53,6 +53,25 @@ class TrainSettings:
     init: str | None = None  # warm start: a checkpoint of the same kind (checkpoint.warm_start)
     resume: bool = False  # go on with the run saved beside `out` (checkpoint.py)
     checkpoint_minutes: float = 10.0  # save the drafter and the run this often
+    loss_rows: str = "all"  # draft-step kinds: "answer" scores only the answer's rows (SpecForge's loss mask)
+    step_decay: float = 1.0  # draft-step kinds: step s's loss weighs step_decay**(s-1) (SpecForge: 0.8)
+
+
+def weigh_steps(objective, settings: TrainSettings) -> None:
+    """Give a draft-step objective the rows and step weights its loss takes; refuse them for another."""
+    from specrt.export.training.objectives import FeatureObjective
+
+    if settings.loss_rows not in ("all", "answer"):
+        raise SpecrtError(f"--loss-rows {settings.loss_rows!r}: choose all or answer")
+    if not 0 < settings.step_decay <= 1:
+        raise SpecrtError(f"--step-decay {settings.step_decay}: choose a weight in (0, 1]")
+    if (settings.loss_rows, settings.step_decay) == ("all", 1.0):
+        return
+    if not isinstance(objective, FeatureObjective):
+        raise SpecrtError(f"--loss-rows and --step-decay weigh the draft steps of eagle, eagle3 and mtp; {settings.kind} "
+                          "trains otherwise: drop them")
+    objective.answer_only = settings.loss_rows == "answer"
+    objective.step_decay = settings.step_decay
 
 
 def label_vocabulary(top1: torch.Tensor, anywhere: torch.Tensor, size: int) -> torch.Tensor:
@@ -137,6 +156,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
         module.set_head_vocab(vocab)
     module.train()
     objective = resolve(spec.objective)(module, data, vocab, settings.steps)
+    weigh_steps(objective, settings)
     params = [p for p in module.parameters() if p.requires_grad]
     lr = settings.lr or spec.lr
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

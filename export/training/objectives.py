@@ -128,6 +128,8 @@ class FeatureObjective(Objective):
     steps = 3
     ttt = True  # attention as drafted rows see it (EAGLE); False: each step causal over its own rows (MTP)
     regress = 0.0
+    answer_only = False  # True: the loss scores answer rows only (the rows drafted at run time), not the prompt's
+    step_decay = 1.0  # step s's loss weighs step_decay**(s-1), normalised (1: the mean over steps)
 
     def module_for(self, step: int):
         return self.m
@@ -157,11 +159,14 @@ class FeatureObjective(Objective):
             logits = F.linear(mod.head_input(out), self.head_weight_for(mod))
             ok = valid.clone()
             ok[:, : s - 1] = False  # rows before the chain could start
-            loss = loss + soft_ce(logits, lab_ids, lab_p, ok)
+            scored = ok & answer if self.answer_only else ok
+            step_loss = soft_ce(logits, lab_ids, lab_p, scored)
             if self.regress:
                 target = batch.hidden[:, 1 : rows + 1]
                 err = F.smooth_l1_loss(out.float(), target, reduction="none").mean(-1)
-                loss = loss + self.regress * (err * ok).sum() / ok.sum().clamp(min=1)
+                step_loss = step_loss + self.regress * (err * scored).sum() / scored.sum().clamp(min=1)
+            loss = loss + (step_loss if self.step_decay == 1 else self.step_decay ** (s - 1) * step_loss)
             hits.append(top_hits(logits, lab_top, ok & answer) if s == 1 else top1_hits(logits, lab_top, ok & answer))
             prev = out
-        return loss / self.steps, hits
+        weights = self.steps if self.step_decay == 1 else sum(self.step_decay**i for i in range(self.steps))
+        return loss / weights, hits
