@@ -68,6 +68,21 @@ def tapped_graph(graph: Path, taps: tuple[int, ...], folder: Path) -> Path:
     return out
 
 
+def chunked_features(pass_rows, tokens: np.ndarray, chunk: int) -> dict[str, np.ndarray]:
+    """A store's fields for one sequence, prefilled from position 0 in passes of `chunk` rows:
+    `pass_rows(ids, start)` gives rows start.. (after the rows before them) as (logits [t, V] torch,
+    hidden [t, H] fp16, aux [t, A] fp16)."""
+    parts: dict[str, list] = {"hidden": [], "aux": [], "top_ids": [], "top_p": []}
+    for a in range(0, len(tokens), chunk):
+        logits, hidden, aux = pass_rows(tokens[a : a + chunk], a)
+        ids, p = _top(logits)
+        parts["hidden"].append(hidden)
+        parts["aux"].append(aux)
+        parts["top_ids"].append(ids.numpy().astype(np.int32))
+        parts["top_p"].append(p.half().numpy())
+    return {"tokens": tokens.astype(np.int32), **{k: np.concatenate(v) for k, v in parts.items()}}
+
+
 class GraphFeatures:
     """The target graph's states for whole sequences, prefilled in chunks of `chunk` rows."""
 
@@ -77,22 +92,17 @@ class GraphFeatures:
         self.model = OrtDecoder(graph, cfg, capacity, threads)
         self.chunk = chunk
 
+    def _rows(self, ids: np.ndarray, a: int):
+        t = len(ids)
+        outs = self.model.run_all(ids[None].astype(np.int64), np.arange(a, a + t, dtype=np.int64)[None],
+                                  np.array([a], np.int64), np.tril(np.ones((t, t), bool))[None],
+                                  np.arange(t, dtype=np.int64)[None])
+        return (torch.from_numpy(outs["logits"][0]), outs["hidden_states"][0].astype(np.float16),
+                outs[AUX][0].astype(np.float16))
+
     def __call__(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        n = len(tokens)
-        self.model.check_rows(np.zeros(1, np.int64), n)
-        parts: dict[str, list] = {"hidden": [], "aux": [], "top_ids": [], "top_p": []}
-        for a in range(0, n, self.chunk):
-            b = min(n, a + self.chunk)
-            t = b - a
-            outs = self.model.run_all(tokens[None, a:b].astype(np.int64), np.arange(a, b, dtype=np.int64)[None],
-                                      np.array([a], np.int64), np.tril(np.ones((t, t), bool))[None],
-                                      np.arange(t, dtype=np.int64)[None])
-            ids, p = (x.numpy() for x in _top(torch.from_numpy(outs["logits"][0])))
-            parts["hidden"].append(outs["hidden_states"][0].astype(np.float16))
-            parts["aux"].append(outs[AUX][0].astype(np.float16))
-            parts["top_ids"].append(ids.astype(np.int32))
-            parts["top_p"].append(p.astype(np.float16))
-        return {"tokens": tokens.astype(np.int32), **{k: np.concatenate(v) for k, v in parts.items()}}
+        self.model.check_rows(np.zeros(1, np.int64), len(tokens))
+        return chunked_features(self._rows, tokens, self.chunk)
 
 
 def featurize_store(src: Path, dst: Path, bundle: Path, threads: int | None = None, progress: bool = True,

@@ -24,24 +24,11 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.export.training.answer_file import Answers
-from specrt.export.training.datagen import _top
 from specrt.export.training.distill import SHARD_ROWS
+from specrt.export.training.graph_features import chunked_features
 from specrt.export.training.store import ShardWriter
 
 CHUNK = 256  # rows a prefill pass takes: compute-bound well before this on every kernel measured
-
-
-def _features(passes, tokens: np.ndarray, chunk: int) -> dict[str, np.ndarray]:
-    """Every row's states for one sequence, prefilled from position 0 in slot 0 of `passes`."""
-    parts: dict[str, list] = {"hidden": [], "aux": [], "top_ids": [], "top_p": []}
-    for a in range(0, len(tokens), chunk):
-        logits, hidden, aux = passes.extend(0, tokens[a : a + chunk], a)
-        ids, p = _top(logits)
-        parts["hidden"].append(hidden)
-        parts["aux"].append(aux)
-        parts["top_ids"].append(ids.numpy().astype(np.int32))
-        parts["top_p"].append(p.half().numpy())
-    return {"tokens": tokens.astype(np.int32), **{k: np.concatenate(v) for k, v in parts.items()}}
 
 
 def _greedy(job: str) -> bool:
@@ -83,7 +70,7 @@ def replay_answers(answers: Answers, root: Path, bundle: Path, threads: int = 2,
             if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
                 break
             tokens = answers.sequence(i)
-            fields = _features(passes, tokens, chunk)
+            fields = chunked_features(lambda ids, a: passes.extend(0, ids, a), tokens, chunk)
             start = int(answers.prompt_lens[i])
             if _greedy(answers.jobs[i]):  # row r's argmax is answer token r+1
                 agree[0] += int((fields["top_ids"][start - 1 : -1, 0] == tokens[start:]).sum())
