@@ -186,19 +186,28 @@ def measured_here(bundle: Path, manifest, threads: int, backend: str) -> dict:
         path = home() / "cache" / "exactness" / f"content-{content_key(graph, fp)}.json"
     except OSError as e:
         raise SpecrtError(f"cannot read the target graph {graph} ({e}): export the bundle again") from None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        record = None  # none yet, or damaged: measured again
+    record = _read_cached(path)
     if (isinstance(record, dict) and record.get("key") == fp.key and record.get("graph") == _relative(graph, bundle)
             and usable(record, backend, "auto")):
         return record
     record = measure_record(bundle, manifest, threads, backend, graph=graph)
+    _keep(path, record)
+    return record
+
+
+def _read_cached(path: Path):
+    """The record cached at `path`, or None (none yet, or damaged: measured again)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _keep(path: Path, record: dict) -> None:
     try:
         _write_atomic(path, json.dumps(record, indent=1))
     except OSError:
         pass  # a read-only home: measured again next time, still correct
-    return record
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -247,17 +256,10 @@ def _resolve(bundle: Path, manifest, threads: int, backend: str, requested: str,
         cache = cache_path(bundle, manifest, graph, fp)
     except OSError as e:
         raise SpecrtError(f"cannot read the target graph {graph} ({e}): export the bundle again") from None
-    if cache.is_file():
-        try:
-            record = json.loads(cache.read_text())
-        except (OSError, json.JSONDecodeError):
-            record = None  # a damaged cache is measured again
-        if record is not None and usable(record, backend, requested):
-            return judge(record, requested, "machine cache", batched)
+    record = _read_cached(cache)
+    if record is not None and usable(record, backend, requested):
+        return judge(record, requested, "machine cache", batched)
     extra = [] if requested == "auto" else [requested]
     record = measure_record(bundle, manifest, threads, backend, capacity, extra, graph)
-    try:
-        _write_atomic(cache, json.dumps(record, indent=1))
-    except OSError:
-        pass  # a read-only home: measured again next time, still correct
+    _keep(cache, record)
     return judge(record, requested, "measured now", batched)
