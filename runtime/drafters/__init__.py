@@ -36,6 +36,9 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # window index of each node's parent; 0 = root
     q: np.ndarray | None = None  # [N, V]: distribution node i was drawn from; None: deterministic
+    # a greedy chain's drafts: the drafter's own probability that the chain holds up to node i (the product
+    # of each step's top-1 probability); None where the drafter does not say
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

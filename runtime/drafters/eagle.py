@@ -34,6 +34,11 @@ from specrt.runtime.shapes import Shape, chain_shape, layer_weights
 DEFAULT_BEAM, DEFAULT_TREE_NODES = 4, 10
 
 
+def top_probability(logits: np.ndarray, best: int) -> float:
+    """softmax(logits)[best] (`best` the argmax)."""
+    return float(1.0 / np.exp(logits.astype(np.float64) - logits[best]).sum())
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -74,6 +79,7 @@ class EagleDrafter(Drafter):
         self.entry, self.shape = entry, ctx.tree
         self.beam = int(ctx.options.get("beam") or DEFAULT_BEAM)
         self.fan = 1  # a chosen shape's first-step width (runtime/shapes.py)
+        self.keep_confidence = False  # a chain's proposals carry their drafts' confidence (scripts/draft_confidence.py)
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
         cfg = ctx.manifest.graphs[entry["graphs"][0]].config
@@ -150,7 +156,8 @@ class EagleDrafter(Drafter):
             width = min(self.fan, budget)
             return self._fan(nodes, m, width, min(depth, budget - width + 1))
         if self.beam == 1:  # a chain: the greedy path, no ranking
-            return Proposal(self._chain(nodes, m, min(depth, budget)), list(range(min(depth, budget))))
+            chain, held = self._chain(nodes, m, min(depth, budget))
+            return Proposal(chain, list(range(len(chain))), confidence=held if self.keep_confidence else None)
         keep = self._dynamic(nodes, m, min(depth, budget), budget)  # a kept node's ancestors are kept: depth ≤ budget
         slot = {n: i + 1 for i, n in enumerate(keep)}
         return Proposal([nodes.token[n] for n in keep], [slot.get(nodes.parent[n], 0) for n in keep])
@@ -184,22 +191,29 @@ class EagleDrafter(Drafter):
                              ranked=lambda p, n: self.vocab.top(nodes.logits[window[p]], n),
                              dist=lambda p: self.vocab.dist(nodes.logits[window[p]], sampling), evaluate=evaluate)
 
-    def _chain(self, nodes: _Nodes, m: int, depth: int) -> list[int]:
+    def _chain(self, nodes: _Nodes, m: int, depth: int) -> tuple[list[int], list[float]]:
         """The dynamic tree with beam 1: each depth's one child is its parent's argmax, and a budget of n nodes
         keeps the n shallowest (scores only fall with depth), so the chain of `depth` tokens is what _dynamic
-        keeps, found without its log-softmax and sorts (a fifth of a chain-of-1 step's proposing)."""
-        p, out = 0, []
+        keeps, found without its log-softmax and sorts (a fifth of a chain-of-1 step's proposing). Also each
+        draft's confidence where `keep_confidence`: the product of the chain's top-1 probabilities down to it
+        (scripts/draft_confidence.py measures how well it predicts acceptance; off the hot path otherwise)."""
+        p, out, held, sure = 0, [], [], 1.0
         for d in range(1, depth + 1):
-            p = nodes.add(int(self.vocab.to_target(int(nodes.logits[p].argmax()))), p)
+            logits = nodes.logits[p]
+            best = int(logits.argmax())
+            if self.keep_confidence:
+                sure *= top_probability(logits, best)
+                held.append(sure)
+            p = nodes.add(int(self.vocab.to_target(best)), p)
             out.append(nodes.token[p])
             if d < depth:
                 self._pass(nodes, m, [p])
-        return out
+        return out, held
 
     def _fan(self, nodes: _Nodes, m: int, width: int, depth: int) -> Proposal:
         """The chain of `depth` drafts with the first step's next `width` - 1 best candidates beside its first
         (window slots 1..width): `width` + `depth` - 1 nodes for the chain's `depth` draft passes."""
-        chain = self._chain(nodes, m, depth)
+        chain, _ = self._chain(nodes, m, depth)
         ranked = (int(t) for t in self.vocab.top(nodes.logits[0], width))
         others = [t for t in ranked if t != chain[0]][: width - 1]
         first = 1 + len(others)

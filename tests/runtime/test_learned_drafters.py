@@ -133,6 +133,29 @@ def test_a_beam_of_one_drafts_the_greedy_chain_cut_to_its_node_budget(learned, r
         assert propose(gen, tokens, 4) == reference_chain(kind, modules[kind], target, tokens, want), nodes
 
 
+def test_a_chain_says_how_sure_its_head_is_only_when_asked(learned):
+    """`keep_confidence` (scripts/draft_confidence.py) leaves the drafts as they are and gives each one the product
+    of the chain's top-1 draft probabilities down to it: within (0, 1], never rising with depth."""
+    from specrt.runtime.drafters.eagle import top_probability
+
+    bundle, _, _ = learned
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 49152, 14).tolist()
+    gen = Generator(bundle, "eagle3", num_draft_tokens=4, max_seq_len=128, tree="chain", tree_nodes=4, beam=1)
+    plain = propose(gen, tokens, 4)
+    assert gen.drafter.propose(tokens, 64, 4, SamplingParams(), np.random.default_rng(0)).confidence is None
+    gen.drafter.keep_confidence = True
+    prop = gen.drafter.propose(tokens, 64, 4, SamplingParams(), np.random.default_rng(0))
+    assert prop.tokens == plain
+    assert len(prop.confidence) == 4
+    assert all(0 < c <= 1 for c in prop.confidence)
+    assert all(b <= a for a, b in zip(prop.confidence, prop.confidence[1:], strict=False))
+    logits = rng.normal(0, 3, 4096).astype(np.float32)
+    best = int(logits.argmax())
+    assert top_probability(logits, best) == pytest.approx(float(torch.softmax(torch.from_numpy(logits).double(), 0)[best]),
+                                                          rel=1e-12)
+
+
 RUNTIME_CASES = [("draft", None), ("medusa", None), ("medusa", "binary"), ("eagle", None), ("eagle", "default"), ("eagle2", None),
                  ("eagle3", None), ("mtp", None), ("block", None), ("block", "chain")]
 
