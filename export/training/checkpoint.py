@@ -43,7 +43,11 @@ class RunState:
 
 def warm_start(module, folder: Path) -> int:
     """Copy every trainable weight of the checkpoint at `folder` (same kind and shapes) into `module`,
-    except its draft vocabulary (the data decides that). Returns the number of tensors copied."""
+    except its draft vocabulary (the data decides that). Returns the number of tensors copied.
+
+    A checkpoint whose head is the target's rows (`head_from_target`: not stored) starts a module that trains
+    its own head (`--set head_from_target=false`) with every other weight; the head keeps the target's rows the
+    kind's warm start gave it, which is the head that checkpoint ran with."""
     from safetensors.torch import load_file
 
     from specrt.export.drafters import WEIGHTS, read_config
@@ -57,7 +61,9 @@ def warm_start(module, folder: Path) -> int:
     check_safetensors(weights, "train or copy the checkpoint again")
     state = {k: v for k, v in load_file(weights).items() if k not in VOCAB_KEYS}
     own = {k: v for k, v in module.trainable_state().items() if k not in VOCAB_KEYS}
-    wrong = [k for k in own if k not in state or tuple(state[k].shape) != tuple(own[k].shape)]
+    inherited = {"lm_head.weight"} if getattr(cfg, "head_from_target", False) else set()  # from the target
+    wrong = [k for k in own if (k not in state and k not in inherited) or
+             (k in state and tuple(state[k].shape) != tuple(own[k].shape))]
     if wrong or set(state) - set(own):
         raise SpecrtError(f"--init {folder} does not fit this {module.cfg.kind} drafter (differs at "
                           f"{(wrong or sorted(set(state) - set(own)))[:4]}): pass one trained with the same options")

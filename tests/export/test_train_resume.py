@@ -129,6 +129,37 @@ def test_warm_start_copies_all_but_the_vocabulary(real_model, data, tmp_path):
         checkpoint.warm_start(module, base)
 
 
+def test_a_frozen_head_warm_starts_a_run_that_trains_its_own(real_model, data, tmp_path):
+    """--init of a head that is the target's rows (not stored) with --set head_from_target=false: every stored
+    weight is the init's and the head starts as the target's rows of the new vocabulary, then trains and is
+    stored; a head the checkpoint lacks for any other reason is still refused."""
+    base = tmp_path / "base"
+    train(real_model.module, _settings(epochs=1), base, data, progress=False, clock=Clock())
+    assert "lm_head.weight" not in _weights(base)
+    own = tmp_path / "own"
+    m = train(real_model.module, _settings(epochs=1, lr=1e-12, init=str(base), options={"head_from_target": False}),
+              own, data, progress=False, clock=Clock())
+    a, b = _weights(base), _weights(own)
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a if k != "d2t")
+    vocab = torch.arange(len(b["d2t"])) + b["d2t"]
+    assert torch.allclose(b["lm_head.weight"].float(), real_model.module.lm_head.weight[vocab], atol=1e-6)
+    assert m["steps_done"] > 0
+    trained = tmp_path / "trained"
+    train(real_model.module, _settings(epochs=1, lr=1e-2, init=str(base), options={"head_from_target": False}),
+          trained, data, progress=False, clock=Clock())
+    assert not torch.allclose(_weights(trained)["lm_head.weight"].float(), real_model.module.lm_head.weight[vocab])
+    no_head = tmp_path / "no_head"  # says it stores its head, and does not
+    no_head.mkdir()
+    for f in base.iterdir():
+        (no_head / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((base / "config.json").read_text())
+    (no_head / "config.json").write_text(json.dumps({**cfg, "head_from_target": False}))
+    module = drafters.build(drafters.make_config("eagle3", taps=cfg["taps"], draft_vocab_size=len(vocab),
+                                                 head_from_target=False), real_model.module)
+    with pytest.raises(SpecrtError, match="does not fit"):
+        checkpoint.warm_start(module, no_head)
+
+
 def test_zero_epochs_saves_the_warm_start_over_a_smaller_vocabulary(real_model, data, tmp_path):
     """`--epochs 0 --init`: no step; every weight is the init's, bitwise, and the draft vocabulary is this data's
     `draft_vocab` most frequent top-1 ids (of the ones the init's wider one held), evaluated on the held-out."""
