@@ -192,7 +192,7 @@ def quantize_graphs(folder: Path, graphs: dict[str, GraphEntry], name: str, bloc
         # drafts stopped being accepted with it)
         own = blocks.get(role) or {}
         record["matmuls"][role], carried = quantize.quantize_file(path, s, own, fit=not learned,
-                                                                  head=rows if learned else None)
+                                                                  head=rows if learned else None, learned=learned)
         entry.sha256 = file_digests(path, path.with_name(path.name + ".data"))
         if carried:  # what the graph really carries (a truncated draft: only its layers')
             record.setdefault("from_model_file", {})[role] = {

@@ -151,6 +151,43 @@ def test_a_weight_made_of_the_heads_rows_carries_their_blocks():
     assert np.array_equal(b.dense(), dense[pick])
 
 
+def test_a_learned_drafters_own_head_is_int8_and_its_layers_int4():
+    """A learned drafter's head of its own rows (not the target's) keeps int8 blocks under --quantize int4: it
+    ranks the draft candidates. Its codes are Q8_0's rounding (each weight within half a step of its block's
+    scale); the other MatMuls, and a decoder's head, stay int4."""
+    rng = np.random.default_rng(1)
+    w = {"lm_head.weight.T": rng.standard_normal((64, 96)).astype(np.float32),
+         "layer.up.weight": rng.standard_normal((64, 64)).astype(np.float32)}
+    w["lm_head.weight.T"][:32, 5] = 0.0  # a block of zeros: scale 0, codes 0
+
+    def model():
+        nodes = [helper.make_node("MatMul", ["x", "layer.up.weight"], ["h"], name="/layer/up/MatMul"),
+                 helper.make_node("MatMul", ["h", "lm_head.weight.T"], ["logits"], name="/lm_head/MatMul")]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                                  [numpy_helper.from_array(v, k) for k, v in w.items()])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    def bits(m):
+        return {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node
+                if n.op_type == "MatMulNBits"}
+
+    learned, _, _ = quantize.quantize_model(model(), quantize.scheme("int4"), fit=False, learned=True)
+    assert bits(learned) == {"/layer/up/MatMul_Q4": 4, "/lm_head/MatMul_Q8": 8}
+    decoder, _, _ = quantize.quantize_model(model(), quantize.scheme("int4"), fit=False)
+    assert set(bits(decoder).values()) == {4}
+    b = quantize.q8_blocks(w["lm_head.weight.T"].T)
+    assert b.format == "q8" and b.q.dtype == np.int8 and np.abs(b.q).max() == 127
+    err = np.abs(b.dense() - w["lm_head.weight.T"].T).reshape(96, 2, 32)
+    assert (err <= b.scales[..., None] / 2 + 1e-7).all()
+    assert b.scales[5, 0] == 0 and not b.q[5, 0].any()
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    sess = ort.InferenceSession(learned.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = x @ w["layer.up.weight"] @ w["lm_head.weight.T"]
+    got = sess.run(None, {"x": x})[0]
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
 def test_a_drafter_precision_without_quantize_is_refused(tmp_path):
     result = CliRunner().invoke(cli, ["export", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "b"),
                                       "--drafter-quantize", "int8"])
