@@ -187,9 +187,10 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     bar = tqdm(total=total, initial=min(run.step, total), desc=f"train {kind}", unit="step", disable=not progress)
     loss = torch.tensor(float("nan"))
 
-    def save() -> None:
+    def save(stopped: bool = False) -> None:
         run.seconds = clock() - t0
-        _write(module, settings, out, lr, precision, precision_record, run, cut, data, train_seqs, held, vocab, top1)
+        _write(module, settings, out, lr, precision, precision_record, run, cut, data, train_seqs, held, vocab, top1,
+               stopped)
         checkpoint.save_run(out, module, opt, rng, run, fixed)
 
     try:
@@ -236,11 +237,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     if not interrupted and (not run.curve or run.curve[-1]["step"] != run.step):  # the head as saved
         accs = evaluate(objective, data, held, label_index, settings.batch_seqs, precision)
         run.curve.append(_point(run, per_epoch, len(train_seqs), clock() - t0, loss, *accs))
-    save()
-    metrics = json.loads((out / "metrics.json").read_text())
-    if interrupted:
-        metrics["interrupted"] = True
-    return metrics
+    save(stopped=interrupted)
+    return json.loads((out / "metrics.json").read_text())
 
 
 def _point(run: checkpoint.RunState, per_epoch: int, train_seqs: int, seconds: float, loss: torch.Tensor,
@@ -261,8 +259,9 @@ INIT_RUN_KEYS = ("settings", "steps_done", "train_sequences", "train_tokens", "l
 
 def _write(module, settings: TrainSettings, out: Path, lr: float, precision: str, precision_record: dict,
            run: checkpoint.RunState, cut: bool, data: DistillData, train_seqs: list[int], held: list[int],
-           vocab: torch.Tensor, top1: torch.Tensor) -> None:
-    """The drafter checkpoint at `out` with its metrics.json and τ curve, as the run stands."""
+           vocab: torch.Tensor, top1: torch.Tensor, stopped: bool = False) -> None:
+    """The drafter checkpoint at `out` with its metrics.json and τ curve, as the run stands (`stopped`: a stop
+    cut its schedule, so metrics.json says `interrupted` and --resume goes on; scripts/train_round.sh reads it)."""
     drafters.save(module, out, settings.save_dtype)
     metrics = {"kind": settings.kind, "settings": asdict(settings), "lr": lr,
                "precision": METRICS_NAME[precision], "steps_done": run.step, "cut_by_max_minutes": cut,
@@ -271,7 +270,7 @@ def _write(module, settings: TrainSettings, out: Path, lr: float, precision: str
                "train_tokens": int(sum(data.seq(i).stop - data.seq(i).start for i in train_seqs)),
                "label_vocab": len(vocab), "label_vocab_top1_coverage": round(float(top1[vocab].sum() / top1.sum()), 4),
                "top1_coverage_by_vocab_size": coverage_by_size(top1),
-               "curve": run.curve, "final": run.curve[-1] if run.curve else {}}
+               "curve": run.curve, "final": run.curve[-1] if run.curve else {}, **({"interrupted": True} if stopped else {})}
     if settings.init and (Path(settings.init) / "metrics.json").is_file():  # the warm start's own run, one level
         init = json.loads((Path(settings.init) / "metrics.json").read_text())
         metrics["init_run"] = {k: init[k] for k in INIT_RUN_KEYS if k in init}

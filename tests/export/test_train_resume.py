@@ -62,6 +62,7 @@ def test_a_stopped_and_resumed_run_ends_where_an_unbroken_one_does(real_model, d
     out = tmp_path / "parts"
     first = train(real_model.module, _settings(), out, data, progress=False, clock=Clock())
     assert first["interrupted"] and first["steps_done"] == 3
+    assert json.loads((out / "metrics.json").read_text())["interrupted"]  # what scripts/train_round.sh reads
     for final in (first["final"], {}):  # the CLI's line, after an evaluation and for a stop before the first
         line = summary("medusa", {**first, "final": final})
         assert line.startswith("medusa: 3 steps") and "(stopped; --resume goes on)" in line, line
@@ -72,6 +73,7 @@ def test_a_stopped_and_resumed_run_ends_where_an_unbroken_one_does(real_model, d
         train(real_model.module, _settings(), out, data, progress=False, clock=Clock())
     second = train(real_model.module, _settings(resume=True), out, data, progress=False, clock=Clock())
     assert second["steps_done"] == 9 and not second.get("interrupted")
+    assert "interrupted" not in json.loads((out / "metrics.json").read_text())
     got, want = _weights(out), _weights(tmp_path / "whole")
     assert got.keys() == want.keys()
     for k in want:
