@@ -32,8 +32,8 @@ from specrt.runtime.clock import Clock
 ROWS = (1, 2, 3, 4, 5, 6, 8, 11, 16)  # window sizes measured: chains of 0..4 drafts, trees up to 15 nodes
 CONTEXT = 128  # KV rows before the measured window
 # bump when what is measured changes: older cache files are measured again (2: sizes in turns, fastest pass;
-# 3: ratios to the round's one-row pass, their median)
-VERSION = 3
+# 3: ratios to the round's one-row pass, their median; 4: each timed pass after an untimed one of its size)
+VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,11 @@ def measure(decoder, vocab: int, rows: Sequence[int] = ROWS, repeats: int = 11, 
     one-row pass costs its fastest; each other size, that times the median over the rounds of its pass over
     the same round's one-row pass. A curve measured on a busy or drifting machine is cached and sizes drafts
     long after, so neither a slow stretch nor a lucky pass may bend it: ratios taken within a round cancel the
-    stretch, and their median drops the rounds a stretch began or ended in."""
+    stretch, and their median drops the rounds a stretch began or ended in. Each timed pass follows an untimed
+    one of its own size, as a verify pass follows one of its shape in generation: timed right after the round's
+    16-row pass, the one-row pass ran 10-15 % slow on a 2-core Zen 4 and bent every ratio down (2 rows 0.95x,
+    3 rows 1.04-1.07x one row, where generation's steps took 1.11x and 1.38x), which sized eagle3 to a fan of
+    two first drafts that ran at plain speed."""
     import time
 
     from specrt.runtime.sequence import Pass, pack_windows
@@ -100,6 +104,7 @@ def measure(decoder, vocab: int, rows: Sequence[int] = ROWS, repeats: int = 11, 
     times: list[list[float]] = [[] for _ in rows]
     for i in range(warmup + repeats):
         for j, n in enumerate(rows):
+            run(rng.integers(0, vocab, n), context)  # untimed: the timed pass follows one of its own size
             window = rng.integers(0, vocab, n)
             t0 = clock()
             run(window, context)

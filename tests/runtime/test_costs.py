@@ -57,7 +57,7 @@ def test_measure_reads_the_clock_it_is_given():
     assert curve.rows == (1, 2, 4, 8)
     assert curve.seconds == pytest.approx((0.002, 0.002, 0.003, 0.005))
     assert dec.calls[0] == (16, 0)  # the context first, then every window after it
-    assert all(past == 16 for _, past in dec.calls[1:]) and len(dec.calls) == 1 + 4 * 4
+    assert all(past == 16 for _, past in dec.calls[1:]) and len(dec.calls) == 1 + 4 * 4 * 2  # untimed, timed
 
 
 def test_a_busy_stretch_does_not_bend_the_curve():
@@ -69,7 +69,7 @@ def test_a_busy_stretch_does_not_bend_the_curve():
     dec.cost = lambda n: quiet(n) * (3 if 6 <= len(dec.calls) <= 13 else 1)
     curve = measure(dec, 100, rows=(1, 2, 4, 8), repeats=4, warmup=1, context=16, clock=clock)
     assert curve.seconds == pytest.approx(tuple(quiet(n) for n in (1, 2, 4, 8)))
-    assert [n for n, _ in dec.calls[1:5]] == [1, 2, 4, 8]  # one of each size, then again
+    assert [n for n, _ in dec.calls[1:9]] == [1, 1, 2, 2, 4, 4, 8, 8]  # each size twice (untimed, timed), then again
 
 
 def test_a_drifting_machine_and_a_lucky_pass_do_not_bend_the_curve():
@@ -84,8 +84,8 @@ def test_a_drifting_machine_and_a_lucky_pass_do_not_bend_the_curve():
 
     def cost(n):
         i = len(dec.calls) - 2  # this window pass: 0 is the warm-up round's first
-        factor = pace[i // 4]
-        if n == 4 and i // 4 == 3:
+        factor = pace[i // 8]  # a round: each size untimed, then timed
+        if n == 4 and i // 8 == 3:
             lucky[n] = 0.5
             factor *= 0.5
         return quiet(n) * factor
@@ -94,6 +94,23 @@ def test_a_drifting_machine_and_a_lucky_pass_do_not_bend_the_curve():
     curve = measure(dec, 100, rows=(1, 2, 4, 8), repeats=6, warmup=1, context=16, clock=clock)
     assert lucky  # the lucky pass ran
     assert curve.seconds == pytest.approx(tuple(quiet(n) * 1.1 for n in (1, 2, 4, 8)))
+
+
+def test_a_pass_slowed_by_the_one_before_it_does_not_bend_the_curve():
+    """A pass right after a bigger one runs 15 % slow (what a 16-row pass left behind did to the next one-row pass
+    on a 2-core Zen 4): each timed pass follows an untimed one of its own size, as in generation, so the curve is
+    the steady one; timed straight after the round's largest pass, the one-row pass bent every ratio down."""
+    clock = FakeClock()
+    dec = _PacedDecoder(clock, lambda n: 0.0)
+    quiet = lambda n: 0.002 + 0.0005 * max(n - 2, 0)  # noqa: E731
+
+    def cost(n):
+        before = dec.calls[-2][0] if len(dec.calls) > 1 else n
+        return quiet(n) * (1.15 if before > n else 1.0)
+
+    dec.cost = cost
+    curve = measure(dec, 100, rows=(1, 2, 4, 8), repeats=4, warmup=1, context=16, clock=clock)
+    assert curve.seconds == pytest.approx(tuple(quiet(n) for n in (1, 2, 4, 8)))
 
 
 def test_a_curve_measured_the_old_way_is_measured_again(tiny_bundle, monkeypatch):
