@@ -186,14 +186,19 @@ def fitted_blocks(model: onnx.ModelProto, taken: dict) -> dict:
     does not hold: export/int4_fit.py's scale-and-minimum blocks, by weight name."""
     from specrt.export.int4_fit import fit_q4_min
 
+    return {w: fit_q4_min(rows) for _, w, rows in _whole_block_weights(model, taken)}
+
+
+def _whole_block_weights(model: onnx.ModelProto, taken: dict):
+    """(node, weight name, rows [N, K]) of each MatMul whose weight is a 2-D initializer of whole blocks of 32
+    inputs that `taken` does not hold, once per weight."""
     inits = {t.name: t for t in model.graph.initializer}
-    out = {}
+    seen = set(taken)
     for node in model.graph.node:
         weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if (weight in inits and weight not in taken and weight not in out and len(inits[weight].dims) == 2
-                and inits[weight].dims[0] % 32 == 0):
-            out[weight] = fit_q4_min(numpy_helper.to_array(inits[weight]).T)
-    return out
+        if weight in inits and weight not in seen and len(inits[weight].dims) == 2 and inits[weight].dims[0] % BLOCK == 0:
+            seen.add(weight)
+            yield node, weight, numpy_helper.to_array(inits[weight]).T
 
 
 class HeadRows:
@@ -251,14 +256,7 @@ def own_heads(model: onnx.ModelProto, taken: dict) -> dict:
     `taken` does not hold, as int8 blocks (q8_blocks): its head ranks the draft candidates, which int4 rounding
     reorders (the shipped EAGLE-3 head's weights with their head as int4: run-time α1 0.406 against 0.420 with the
     same rows as the target's Q8_0 blocks, on 80 held-out prompts), and a head of the target's rows is int8 too."""
-    inits = {t.name: t for t in model.graph.initializer}
-    out = {}
-    for node in model.graph.node:
-        weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if ("lm_head" in node.name and weight in inits and weight not in taken and len(inits[weight].dims) == 2
-                and inits[weight].dims[0] % BLOCK == 0):
-            out[weight] = q8_blocks(numpy_helper.to_array(inits[weight]).T)
-    return out
+    return {w: q8_blocks(rows) for node, w, rows in _whole_block_weights(model, taken) if "lm_head" in node.name}
 
 
 def _same_blocks(a, b) -> bool:

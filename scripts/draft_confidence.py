@@ -72,7 +72,8 @@ def main() -> None:
                            for b in range(len(BINS) - 1) if (bins == b).any()}
     report["accepted_by_confidence"] = by_depth  # depth -> bin -> [steps, acceptance given the chain so far]
     if curve is not None:
-        share = draft_share(gen)
+        d = gen.drafter
+        share = d.pass_share(gen.manifest.graphs[d.entry["graphs"][0]].config, gen.manifest.target.config)
         rows = []
         for floor in FLOORS:
             kept = [sum(1 for x in c if x >= floor) for c, _ in steps]
@@ -87,17 +88,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             for c, a in steps:
                 f.write(json.dumps({"confidence": [round(x, 5) for x in c], "accepted": a}) + "\n")
-
-
-def draft_share(gen) -> float:
-    """One draft pass's cost as a share of a one-row target pass: the share of the weights it streams."""
-    from specrt.runtime.shapes import layer_weights
-
-    d = gen.drafter
-    cfg = gen.manifest.graphs[d.entry["graphs"][0]].config
-    target = gen.manifest.target.config
-    return layer_weights(cfg, 2 * cfg.hidden_size, len(d.vocab), 1) / \
-        layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
 
 
 if __name__ == "__main__":

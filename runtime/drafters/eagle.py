@@ -108,15 +108,17 @@ class EagleDrafter(Drafter):
         curve = ctx.costs()
         if curve is None:
             return
-        target = ctx.manifest.target.config
-        # a draft step: one layer over [embedding; feature] (EAGLE-3's q/k/v read both; EAGLE-1/2's fc does)
-        # and the head over the draft vocabulary, against the whole target
-        share = layer_weights(cfg, 2 * cfg.hidden_size, len(self.vocab), 1) / \
-            layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
-        self.chosen = chain_shape(curve, entry, share, self.depth)
+        self.chosen = chain_shape(curve, entry, self.pass_share(cfg, ctx.manifest.target.config), self.depth)
         self.beam, self.tree_nodes, self.depth = self.chosen.beam, self.chosen.nodes, self.chosen.depth
         self.fan = self.chosen.width
         ctx.note(self.chosen.describe(self.name, curve))
+
+    def pass_share(self, cfg, target) -> float:
+        """What one draft pass streams as a share of a one-row target pass: one layer over [embedding; feature]
+        (EAGLE-3's q/k/v read both; EAGLE-1/2's fc does) and the head over the draft vocabulary, against the
+        whole target (`cfg` the layer's config, `target` the target's)."""
+        return layer_weights(cfg, 2 * cfg.hidden_size, len(self.vocab), 1) / \
+            layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
 
     def scratch_rows(self) -> int:
         """Feature-layer rows a step's drafted nodes may take after the committed ones (which end
