@@ -28,6 +28,9 @@ VOCAB_KEYS = ("d2t", "head_vocab")  # the draft vocabulary: the new data's, neve
 # settings a resumed run must share with the run it continues (others, such as --max-minutes, may change)
 FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision", "loss_rows", "step_decay")
 FIXED_DEFAULTS = {"loss_rows": "all", "step_decay": 1.0}  # what a run saved before these settings existed used
+# config fields that shape the weights a warm start copies: a run takes the checkpoint's unless --set names them
+INHERITED = ("head_from_target",)
+HEAD_ROWS = "lm_head.weight"  # a stored head: one row per draft-vocabulary id (d2t)
 
 
 @dataclass
@@ -41,13 +44,25 @@ class RunState:
     data_sequences: int = 0  # the data's size when saved: a grown store redraws the order
 
 
+def inherited_options(folder: Path, kind: str, options: dict) -> dict:
+    """`options` with the `--init` checkpoint's INHERITED config fields where `options` does not name them: a
+    head trained with its own rows warm-starts a run that trains its own rows too, without the flag again."""
+    from specrt.export.drafters import read_config
+
+    cfg, _ = read_config(folder)
+    if cfg.kind != kind:
+        return dict(options)  # warm_start says why it does not fit
+    return {**{k: getattr(cfg, k) for k in INHERITED if hasattr(cfg, k)}, **options}
+
+
 def warm_start(module, folder: Path) -> int:
     """Copy every trainable weight of the checkpoint at `folder` (same kind and shapes) into `module`,
     except its draft vocabulary (the data decides that). Returns the number of tensors copied.
 
     A checkpoint whose head is the target's rows (`head_from_target`: not stored) starts a module that trains
     its own head (`--set head_from_target=false`) with every other weight; the head keeps the target's rows the
-    kind's warm start gave it, which is the head that checkpoint ran with."""
+    kind's warm start gave it, which is the head that checkpoint ran with. A stored head is re-indexed to
+    the module's draft vocabulary (`head_rows_in_vocab`)."""
     from safetensors.torch import load_file
 
     from specrt.export.drafters import WEIGHTS, read_config
@@ -59,8 +74,11 @@ def warm_start(module, folder: Path) -> int:
                           "pass a checkpoint of the same kind")
     weights = Path(folder) / WEIGHTS
     check_safetensors(weights, "train or copy the checkpoint again")
-    state = {k: v for k, v in load_file(weights).items() if k not in VOCAB_KEYS}
+    stored = load_file(weights)
+    state = {k: v for k, v in stored.items() if k not in VOCAB_KEYS}
     own = {k: v for k, v in module.trainable_state().items() if k not in VOCAB_KEYS}
+    if HEAD_ROWS in state and HEAD_ROWS in own and "d2t" in stored and hasattr(module, "target_ids"):
+        state[HEAD_ROWS] = head_rows_in_vocab(state[HEAD_ROWS], stored["d2t"], module)
     inherited = {"lm_head.weight"} if getattr(cfg, "head_from_target", False) else set()  # from the target
     wrong = [k for k in own if (k not in state and k not in inherited) or
              (k in state and tuple(state[k].shape) != tuple(own[k].shape))]
@@ -69,6 +87,24 @@ def warm_start(module, folder: Path) -> int:
                           f"{(wrong or sorted(set(state) - set(own)))[:4]}): pass one trained with the same options")
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
     return len(state)
+
+
+def head_rows_in_vocab(rows: torch.Tensor, d2t: torch.Tensor, module) -> torch.Tensor:
+    """A stored head's rows, over the checkpoint's draft vocabulary (target id = draft id + d2t), re-indexed to
+    `module`'s: a target id both vocabularies hold keeps the checkpoint's row, one new to the data keeps the row
+    `module` has (the target's, from the kind's warm start). A grown store reorders or changes the vocabulary,
+    and copying rows by position would give each draft id another token's row."""
+    head = module.lm_head.weight.detach()
+    if rows.dim() != 2 or rows.shape[0] != len(d2t) or rows.shape[1] != head.shape[1]:
+        return rows  # warm_start's shape check names it
+    old = torch.arange(len(d2t)) + d2t.long()
+    new = module.target_ids().long()
+    where = torch.full((int(max(old.max(), new.max())) + 1,), -1, dtype=torch.long)
+    where[old] = torch.arange(len(old))
+    src = where[new]
+    out = head.clone().to(rows.dtype)
+    out[src >= 0] = rows[src[src >= 0]]
+    return out
 
 
 def state_dir(out: Path) -> Path:

@@ -142,6 +142,8 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
     top1, anywhere = data.top_counts(target.cfg.vocab_size)
     vocab = label_vocabulary(top1, anywhere, settings.draft_vocab)
     options = dict(settings.options)
+    if settings.init:
+        options = checkpoint.inherited_options(Path(settings.init), kind, options)
     if spec.options_from_data:  # settings the data decides (EAGLE-3: its taps and draft vocabulary)
         options = resolve(spec.options_from_data)(options, data, vocab)
     label_index = torch.full((target.cfg.vocab_size,), -1, dtype=torch.long)

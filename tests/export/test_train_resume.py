@@ -162,6 +162,35 @@ def test_a_frozen_head_warm_starts_a_run_that_trains_its_own(real_model, data, t
         checkpoint.warm_start(module, no_head)
 
 
+def test_a_head_of_its_own_rows_warm_starts_by_token_and_keeps_its_rows_trained(real_model, data, tmp_path):
+    """--init of a head that trains its own rows, without --set again: the run trains its own rows too, and a
+    draft vocabulary of other size or order takes each token's row from the checkpoint where it had one and
+    the target's row where it did not (by position, each draft id would get another token's row)."""
+    target_head = real_model.module.lm_head.weight.detach()
+    own = tmp_path / "own"
+    train(real_model.module, _settings(epochs=1, lr=1e-2, draft_vocab=128, options={"head_from_target": False}),
+          own, data, progress=False, clock=Clock())
+    a = _weights(own)
+    ids_a = (torch.arange(len(a["d2t"])) + a["d2t"]).tolist()
+    assert not torch.allclose(a["lm_head.weight"].float(), target_head[ids_a])  # trained away from the target's
+    wide = tmp_path / "wide"
+    m = train(real_model.module, _settings(epochs=0, draft_vocab=512, init=str(own)), wide, data, progress=False,
+              clock=Clock())
+    assert json.loads((wide / "config.json").read_text())["head_from_target"] is False
+    assert m["settings"]["options"] == {}  # inherited, not passed
+    b = _weights(wide)
+    ids_b = (torch.arange(len(b["d2t"])) + b["d2t"]).tolist()
+    assert len(ids_b) == 512 and set(ids_a) < set(ids_b) and ids_b[:128] != ids_a  # wider, in another order
+    row_of = {t: i for i, t in enumerate(ids_a)}
+    for j, t in enumerate(ids_b):
+        want = a["lm_head.weight"][row_of[t]] if t in row_of else target_head[t].to(a["lm_head.weight"].dtype)
+        assert torch.equal(b["lm_head.weight"][j], want), (j, t)
+    with pytest.raises(SpecrtError, match="does not fit"):  # a frozen head asked for: the stored rows have no place
+        train(real_model.module, _settings(epochs=0, draft_vocab=512, init=str(own),
+                                           options={"head_from_target": True}),
+              tmp_path / "frozen", data, progress=False, clock=Clock())
+
+
 def test_zero_epochs_saves_the_warm_start_over_a_smaller_vocabulary(real_model, data, tmp_path):
     """`--epochs 0 --init`: no step; every weight is the init's, bitwise, and the draft vocabulary is this data's
     `draft_vocab` most frequent top-1 ids (of the ones the init's wider one held), evaluated on the held-out."""
