@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,49 @@ class GraphFeatures:
         return chunked_features(self._rows, tokens, self.chunk)
 
 
+@dataclass
+class Written:
+    """What `write_sequences` did: sequences and rows written, and how often row r's argmax was the stored
+    token r + 1 over the answers it compared."""
+    made: int = 0
+    rows: int = 0
+    agree: int = 0
+    compared: int = 0
+    seconds: float = 0.0
+
+    def agreement(self) -> float | None:
+        return round(self.agree / self.compared, 4) if self.compared else None
+
+
+def write_sequences(writer: ShardWriter, sequences, features, total_rows: int, desc: str, progress: bool = True,
+                    max_minutes: float | None = None) -> Written:
+    """Add each (job, tokens, prompt_len, heldout, compare) of `sequences` to `writer` with `features(tokens)`;
+    `compare`: count its answer rows' argmax agreement. Starts none after `max_minutes`; what finished is
+    flushed even when interrupted."""
+    w = Written()
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_rows, desc=desc, unit="row", disable=not progress, mininterval=5)
+    try:
+        for job, tokens, start, heldout, compare in sequences:
+            if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
+                break
+            fields = features(tokens)
+            if compare:  # answer rows: row r's argmax against token r + 1
+                w.agree += int((fields["top_ids"][start - 1 : -1, 0] == tokens[start:]).sum())
+                w.compared += len(tokens) - start
+            writer.add(job, fields, start, heldout)
+            w.made += 1
+            w.rows += len(tokens)
+            if writer.pending_rows() >= SHARD_ROWS:
+                writer.flush()
+            bar.update(len(tokens))
+    finally:
+        writer.flush()
+        bar.close()
+    w.seconds = time.perf_counter() - t0
+    return w
+
+
 def featurize_store(src: Path, dst: Path, bundle: Path, threads: int | None = None, progress: bool = True,
                     max_minutes: float | None = None) -> dict:
     """Write (or extend) the store `dst`: every sequence of store `src` with its states from `bundle`'s
@@ -132,30 +176,13 @@ def featurize_store(src: Path, dst: Path, bundle: Path, threads: int | None = No
     todo = [i for i, j in enumerate(jobs) if j not in done]
     rows = sum(data.seq(i).stop - data.seq(i).start for i in todo)
     capacity = max((data.seq(i).stop - data.seq(i).start for i in todo), default=1)
-    agree = [0, 0]
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="specrt-features-", dir=dst) as tmp:
         features = GraphFeatures(tapped_graph(graph, data.taps, Path(tmp)), cfg, capacity,
                                  threads or os.cpu_count() or 1)
-        bar = tqdm(total=rows, desc="graph features", unit="row", disable=not progress, mininterval=5)
-        try:
-            for i in todo:
-                if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
-                    break
-                tokens = data.fetch("tokens", i).numpy()
-                fields = features(tokens)
-                start = int(data.prompt_lens[i])  # answer rows: row r's argmax against token r+1
-                agree[0] += int((fields["top_ids"][start - 1 : -1, 0] == tokens[start:]).sum())
-                agree[1] += len(tokens) - start
-                writer.add(jobs[i], fields, start, bool(data.heldout[i]))
-                if writer.pending_rows() >= SHARD_ROWS:
-                    writer.flush()
-                bar.update(len(tokens))
-        finally:
-            writer.flush()
-            bar.close()
-    seconds = time.perf_counter() - t0
+        sequences = ((jobs[i], data.fetch("tokens", i).numpy(), int(data.prompt_lens[i]), bool(data.heldout[i]), True)
+                     for i in todo)
+        w = write_sequences(writer, sequences, features, rows, "graph features", progress, max_minutes)
     return {"store": str(dst), "from": str(src), "bundle": str(bundle), "graph_sha256": digest,
-            "sequences": len(writer.done_jobs), "seconds": round(seconds, 1),
-            "rows_per_second": round(bar.n / max(seconds, 1e-9), 1),
-            "argmax_is_stored_next_token": round(agree[0] / max(agree[1], 1), 4)}
+            "sequences": len(writer.done_jobs), "seconds": round(w.seconds, 1),
+            "rows_per_second": round(w.rows / max(w.seconds, 1e-9), 1),
+            "argmax_is_stored_next_token": round(w.agree / max(w.compared, 1), 4)}

@@ -15,17 +15,14 @@ them and how often its argmax is the stored token where the answer was greedy (1
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.export.training.answer_file import Answers
-from specrt.export.training.distill import SHARD_ROWS
-from specrt.export.training.graph_features import chunked_features
+from specrt.export.training.graph_features import chunked_features, write_sequences
 from specrt.export.training.store import ShardWriter
 
 CHUNK = 256  # rows a prefill pass takes: compute-bound well before this on every kernel measured
@@ -61,32 +58,13 @@ def replay_answers(answers: Answers, root: Path, bundle: Path, threads: int = 2,
     capacity = int(max((lengths[i] for i in todo), default=1))
     rows = int(sum(lengths[i] for i in todo))
     passes = NativePasses(Path(bundle), 1, capacity, answers.taps, threads)
-    agree = [0, 0]
-    t0 = time.perf_counter()
-    bar = tqdm(total=rows, desc="replay answers", unit="row", disable=not progress, mininterval=5)
-    made = done_rows = 0
-    try:
-        for i in todo:
-            if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes:
-                break
-            tokens = answers.sequence(i)
-            fields = chunked_features(lambda ids, a: passes.extend(0, ids, a), tokens, chunk)
-            start = int(answers.prompt_lens[i])
-            if _greedy(answers.jobs[i]):  # row r's argmax is answer token r+1
-                agree[0] += int((fields["top_ids"][start - 1 : -1, 0] == tokens[start:]).sum())
-                agree[1] += len(tokens) - start
-            writer.add(answers.jobs[i], fields, start, bool(answers.heldout[i]))
-            made += 1
-            done_rows += len(tokens)
-            if writer.pending_rows() >= SHARD_ROWS:
-                writer.flush()
-            bar.update(len(tokens))
-    finally:
-        writer.flush()  # what finished is kept, even when interrupted
-        bar.close()
-    seconds = time.perf_counter() - t0
-    return {"store": str(root), "bundle": str(bundle), "made": made, "sequences": len(writer.done_jobs),
-            "left": len(todo) - made, "seconds": round(seconds, 1), "rows_per_second": round(done_rows / max(seconds, 1e-9), 1),
+    sequences = ((answers.jobs[i], answers.sequence(i), int(answers.prompt_lens[i]), bool(answers.heldout[i]),
+                  _greedy(answers.jobs[i])) for i in todo)
+    w = write_sequences(writer, sequences, lambda t: chunked_features(lambda ids, a: passes.extend(0, ids, a), t, chunk),
+                        rows, "replay answers", progress, max_minutes)
+    return {"store": str(root), "bundle": str(bundle), "made": w.made, "sequences": len(writer.done_jobs),
+            "left": len(todo) - w.made, "seconds": round(w.seconds, 1),
+            "rows_per_second": round(w.rows / max(w.seconds, 1e-9), 1),
             "answer_tokens": writer.answer_tokens, "same_graph": wrote == digest,
-            "greedy_argmax_is_stored_token": round(agree[0] / agree[1], 4) if agree[1] else None,
+            "greedy_argmax_is_stored_token": w.agreement(),
             "branches": {"native_kernel": passes.decoder.kernel_record}}
