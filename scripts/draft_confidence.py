@@ -72,8 +72,7 @@ def main() -> None:
                            for b in range(len(BINS) - 1) if (bins == b).any()}
     report["accepted_by_confidence"] = by_depth  # depth -> bin -> [steps, acceptance given the chain so far]
     if curve is not None:
-        d = gen.drafter
-        share = d.pass_share(gen.manifest.graphs[d.entry["graphs"][0]].config, gen.manifest.target.config)
+        share = gen.drafter.pass_share(gen.manifest.target.config)
         rows = []
         for floor in FLOORS:
             kept = [sum(1 for x in c if x >= floor) for c, _ in steps]

@@ -79,7 +79,7 @@ def warm_start(module, folder: Path) -> int:
     own = {k: v for k, v in module.trainable_state().items() if k not in VOCAB_KEYS}
     if HEAD_ROWS in state and HEAD_ROWS in own and "d2t" in stored and hasattr(module, "target_ids"):
         state[HEAD_ROWS] = head_rows_in_vocab(state[HEAD_ROWS], stored["d2t"], module)
-    inherited = {"lm_head.weight"} if getattr(cfg, "head_from_target", False) else set()  # from the target
+    inherited = {HEAD_ROWS} if getattr(cfg, "head_from_target", False) else set()  # from the target
     wrong = [k for k in own if (k not in state and k not in inherited) or
              (k in state and tuple(state[k].shape) != tuple(own[k].shape))]
     if wrong or set(state) - set(own):

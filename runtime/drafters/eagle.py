@@ -82,7 +82,7 @@ class EagleDrafter(Drafter):
         self.keep_confidence = False  # a chain's proposals carry their drafts' confidence (scripts/draft_confidence.py)
         self.tree_nodes = int(ctx.options.get("tree_nodes") or DEFAULT_TREE_NODES)
         self.depth = max(int(ctx.tree.depth.max()), 1)
-        cfg = ctx.manifest.graphs[entry["graphs"][0]].config
+        cfg = self.layer_cfg = ctx.manifest.graphs[entry["graphs"][0]].config
         self.vocab = DraftVocab.of(ctx, entry)  # the head's draft vocabulary (EAGLE-3's always)
         self.chosen: Shape | None = None
         tree_given = bool(ctx.options.get("beam") or ctx.options.get("tree_nodes"))
@@ -94,7 +94,7 @@ class EagleDrafter(Drafter):
             self.fan, self.beam = int(ctx.options["fan"]), 1
             self.tree_nodes = self.fan + self.depth - 1
         elif self.dynamic and not tree_given:
-            self._size_to_costs(ctx, entry, cfg)
+            self._size_to_costs(ctx, entry)
         graphs = [ctx.manifest.onnx_path(ctx.bundle, g) for g in entry["graphs"]]
         self.layer = FeatureLayer(graphs[0], cfg, ctx.capacity + self.scratch_rows(), ctx.threads, ctx.backend,
                                   graphs[1] if len(graphs) > 1 else None, ctx.target_embedding)
@@ -102,21 +102,22 @@ class EagleDrafter(Drafter):
 
     needs_hidden = True
 
-    def _size_to_costs(self, ctx: DrafterContext, entry: dict, cfg) -> None:
+    def _size_to_costs(self, ctx: DrafterContext, entry: dict) -> None:
         """No shape given: the chain runtime/shapes.py prices best on this machine's verify curve (where the
         generator has one; else EAGLE-2's tree of DEFAULT_TREE_NODES nodes, DEFAULT_BEAM wide)."""
         curve = ctx.costs()
         if curve is None:
             return
-        self.chosen = chain_shape(curve, entry, self.pass_share(cfg, ctx.manifest.target.config), self.depth)
+        self.chosen = chain_shape(curve, entry, self.pass_share(ctx.manifest.target.config), self.depth)
         self.beam, self.tree_nodes, self.depth = self.chosen.beam, self.chosen.nodes, self.chosen.depth
         self.fan = self.chosen.width
         ctx.note(self.chosen.describe(self.name, curve))
 
-    def pass_share(self, cfg, target) -> float:
+    def pass_share(self, target) -> float:
         """What one draft pass streams as a share of a one-row target pass: one layer over [embedding; feature]
         (EAGLE-3's q/k/v read both; EAGLE-1/2's fc does) and the head over the draft vocabulary, against the
-        whole target (`cfg` the layer's config, `target` the target's)."""
+        whole target (`target` its config)."""
+        cfg = self.layer_cfg
         return layer_weights(cfg, 2 * cfg.hidden_size, len(self.vocab), 1) / \
             layer_weights(target, target.hidden_size, target.vocab_size, target.num_layers)
 
