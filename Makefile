@@ -130,7 +130,7 @@ train: distill
 
 # The shipped drafter, trained again with the command its metrics.json records (SHIPPED_TRAIN_FLAGS).
 SHIPPED_KIND ?= eagle3
-SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 1.5 --max-minutes 120 --batch 8 --lr 5e-4 --steps 1 \
+SHIPPED_TRAIN_FLAGS ?= --init $(SHIPPED_DRAFTERS)/$(SHIPPED_KIND) --epochs 1.5 --max-minutes 120 --batch 8 --lr 3e-4 --steps 1 \
 	--draft-vocab 4096 --save-dtype fp16
 train-shipped: distill
 	$(SPECRT) train $(SHIPPED_KIND) --store $(STORE) $(SHIPPED_TRAIN_FLAGS) -o $(SPECRT_HOME)/drafters/$(SHIPPED_KIND)

@@ -39,7 +39,7 @@ done
 resume=()
 [ -f "$OUT.train-state/state.json" ] && resume=(--resume)  # export/training/checkpoint.py's saved run
 say "train $OUT ${resume[*]}"
-nice -n 10 "$SPECRT" train eagle3 --store "$STORE" --init "$SHIPPED" --epochs 1.5 --batch 8 --lr 5e-4 --steps 1 \
+nice -n 10 "$SPECRT" train eagle3 --store "$STORE" --init "$SHIPPED" --epochs 1.5 --batch 8 --lr 3e-4 --steps 1 \
     --draft-vocab 4096 --save-dtype fp16 --checkpoint-minutes 10 --max-minutes "$TRAIN_MINUTES" \
     "${resume[@]}" -o "$OUT"
 ended='import json, sys; sys.exit(json.load(open(sys.argv[1])).get("interrupted", False))'
