@@ -12,7 +12,7 @@
 #
 # The head is scored when its run ended by itself: its epoch whole, or TRAIN_MINUTES spent (the learning rate
 # anneals to the limit: loop.py lr_scale); not when a stop cut it mid-schedule. On a fresh machine size both
-# limits to the session (Zen 4: replay ~1,100 rows/s, training ~1.3 s a step in bf16). Ship the head only if
+# limits to the session (Zen 4: replay ~1,100 rows/s, training ~0.6 s a step in bf16 with one draft step). Ship the head only if
 # its α1 beats the shipped head's (drafters/smollm2-135m-instruct/eagle3/metrics.json "run_time").
 set -euo pipefail
 cd "$(dirname "$0")/.."
