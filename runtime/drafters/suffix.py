@@ -177,16 +177,17 @@ def children(corpus, pos: np.ndarray, width: int) -> tuple[int, list]:
 
 
 def best_first(corpus, pos: np.ndarray, nodes: int, depth: int, width: int,
-               min_prob: float) -> tuple[Proposal, float]:
+               min_prob: float) -> tuple[Proposal, list[float]]:
     """The draft tree of what followed the match ending at positions `pos` of `corpus`, grown best path
-    probability first (so parents come before children, siblings in rank order); (proposal, the sum of
-    its path probabilities)."""
+    probability first (so parents come before children, siblings in rank order, and every prefix of the
+    nodes is a tree); (proposal, each node's path probability: their sum is the expected number of accepted
+    tokens, were the counts the truth)."""
     if len(pos) == 1:  # one occurrence: what followed it, each token with probability 1
         end = min(pos[0] + 1 + min(depth, nodes), corpus.n)
         path = corpus.arr[pos[0] + 1 : end].tolist()
         path = path[: path.index(SEP)] if SEP in path else path
-        return Proposal(path, list(range(len(path)))), float(len(path))
-    prop, score, tick, heap = Proposal(), 0.0, count(), []
+        return Proposal(path, list(range(len(path)))), [1.0] * len(path)
+    prop, probs, tick, heap = Proposal(), [], count(), []
 
     def push(parent: int, prob: float, pos: np.ndarray, at: int) -> None:
         total, kids = children(corpus, pos, width)
@@ -199,10 +200,10 @@ def best_first(corpus, pos: np.ndarray, nodes: int, depth: int, width: int,
         neg, _, parent, tok, sub, at = heapq.heappop(heap)
         prop.tokens.append(tok)
         prop.parents.append(parent)
-        score -= neg
+        probs.append(-neg)
         if at < depth and len(prop) < nodes:
             push(len(prop), -neg, sub, at + 1)
-    return prop, score
+    return prop, probs
 
 
 class Suffix(Drafter):
@@ -260,11 +261,17 @@ class Suffix(Drafter):
     def scored(self, tokens: list[int], max_nodes: int, max_depth: int) -> tuple[Proposal, float]:
         """The draft `propose` gives and its score: the tokens it expects accepted, were the counts the truth
         (a store draft's score weighted by STORE_WEIGHT)."""
+        prop, scores = self.scored_nodes(tokens, max_nodes, max_depth)
+        return prop, sum(scores)
+
+    def scored_nodes(self, tokens: list[int], max_nodes: int, max_depth: int) -> tuple[Proposal, list[float]]:
+        """`scored`'s draft and each node's share of its score (its path probability, weighted as the draft
+        is), in window order: the first k nodes are a draft of their own, scored by the sum of the first k."""
         self._sync(tokens)
         depth, nodes = min(self.depth, max_depth), min(self.nodes, max_nodes)
-        best, best_score = Proposal(), 0.0
+        best, best_scores, best_score = Proposal(), [], 0.0
         if depth <= 0 or nodes <= 0 or not tokens:
-            return best, best_score
+            return best, best_scores
         store = self.store.index()
         # each corpus on its own, this sequence first: the store's counts never dilute this sequence's,
         # and a draft from the store wins only with more than 1/STORE_WEIGHT times this sequence's score
@@ -278,8 +285,8 @@ class Suffix(Drafter):
                 cap = min(depth, TOKENS_PER_MATCHED * m)
                 if weight * min(cap, nodes) <= best_score:  # each depth's path probabilities sum to at most 1
                     continue
-                prop, score = best_first(corpus, pos[lengths >= m], nodes, cap, self.width, self.min_prob)
-                score *= weight
+                prop, probs = best_first(corpus, pos[lengths >= m], nodes, cap, self.width, self.min_prob)
+                score = weight * sum(probs)
                 if score > best_score + TIE:
-                    best, best_score = prop, score
-        return best, best_score
+                    best, best_scores, best_score = prop, [weight * q for q in probs], score
+        return best, best_scores

@@ -116,8 +116,10 @@ def runtime_options(f):
                      help="suffix drafter: the least path probability (its continuation counts) a drafted node "
                           "may have (default 0.1)."),
         click.option("--suffix-threshold", type=FiniteFloatRange(min=0), default=None,
-                     help="eagle3-suffix: the tokens the suffix tree must expect accepted (its score times this "
-                          "sequence's record of suffix drafts) to draft a step instead of the head (default 1.0)."),
+                     help="eagle3-suffix: draft a step from the suffix tree where it expects at least this many "
+                          "tokens accepted (its score times this sequence's record of suffix drafts), else from the "
+                          "head. Default: priced on this machine's verify costs against the head's predicted "
+                          "speed-up, the suffix draft cut to the nodes that pay for their rows."),
         click.option("--tree-nodes", type=click.IntRange(min=1, max=64), default=None,
                      help="eagle2/eagle3 dynamic tree: drafted nodes kept per step (default, with no --beam "
                           "either: a chain sized to this machine's verify costs and the head's acceptance)."),
