@@ -235,7 +235,9 @@ class Writer:
             raise SpecrtError(f"--systems {systems!r}: choose one of {', '.join(SYSTEM_SETS)}")
         self.gen, self.out, self.seed, self.heldout_share = gen, Path(out), seed, heldout_share
         self.set_name = systems
-        self.id_prefix = "magpie" if systems == "mixed" else f"magpie-{systems}"  # ids unique across files
+        # ids unique across files: a set's own prefix, and a file of the same set with other seeds its own too
+        # (seed 0 keeps the plain prefix, which the shipped files have)
+        self.id_prefix = ("magpie" if systems == "mixed" else f"magpie-{systems}") + (f"-s{seed}" if seed else "")
         self.heldout = heldout_index(heldout_files, threshold)
         self.kept = NearDuplicates(threshold)
         self.rows = read_existing(self.out)

@@ -115,6 +115,12 @@ def test_a_system_set_leans_the_prompts_and_a_file_keeps_its_set(gen, tmp_path):
     assert len(out.read_text().splitlines()) == 4
     with pytest.raises(SpecrtError, match="choose one of mixed"):
         Writer(gen, tmp_path / "x.jsonl", systems="poetry")
+    # a second file of the set, other seeds: ids of its own, so `specrt distill` can read both files
+    other = tmp_path / "science2.jsonl"
+    Writer(gen, other, systems="science", seed=500).run(2, max_new_tokens=48, progress=False)
+    ids = [json.loads(line)["id"] for line in other.read_text().splitlines()]
+    assert ids and all(i.startswith("magpie-science-s500-") for i in ids)
+    assert not set(ids) & {json.loads(line)["id"] for line in out.read_text().splitlines()}
 
 
 def test_every_system_set_renders_in_the_chat_template_and_gives_its_own_prefixes(gen, tmp_path):
