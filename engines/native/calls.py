@@ -84,6 +84,11 @@ def linear_factors(lib: ctypes.CDLL, h: int) -> dict[str, str]:
     return {"scales": "half" if bits & 1 else "float", "mins": "half" if bits & 2 else "float"}
 
 
+def linear_streams(lib: ctypes.CDLL, h: int) -> bool:
+    """Whether a product's weights are prefetched non-temporal (SPECRT_NATIVE_STREAM, read when it was made)."""
+    return bool(lib.spn_linear_factors(h) & 4)
+
+
 def linear_run(lib: ctypes.CDLL, h: int, kernel: int, threads: int, x: np.ndarray, y: np.ndarray) -> int:
     """y[M, N] = x[M, K] · W on kernel code `kernel`; 0 when done."""
     for a in (x, y):

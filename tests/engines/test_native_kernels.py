@@ -164,6 +164,21 @@ def test_factors_kept_as_halves_give_bitwise_what_floats_give(kernel, rows, monk
             assert np.array_equal(kept(kernel, rows[:m]), floats(kernel, rows[:m])), (kernel, fmt, m)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_prefetched_non_temporal_give_bitwise_what_cached_ones_give(kernel, rows, monkeypatch):
+    """A decoder's weights stream once a pass, prefetched non-temporal (the default); SPECRT_NATIVE_STREAM=0
+    prefetches them into every cache level. A hint: each kernel's outputs are bitwise the same either way."""
+    needs(kernel)
+    for fmt in FORMATS:
+        streamed = Linear(576, 200, seed=8, bias=True, fmt=fmt)
+        monkeypatch.setenv("SPECRT_NATIVE_STREAM", "0")
+        cached = Linear(576, 200, seed=8, bias=True, fmt=fmt)
+        monkeypatch.delenv("SPECRT_NATIVE_STREAM")
+        assert calls.linear_streams(streamed.lib, streamed.h) and not calls.linear_streams(cached.lib, cached.h)
+        for m in (1, 2, 3, 4, 8, 9, 16, 17, 32):
+            assert np.array_equal(streamed(kernel, rows[:m]), cached(kernel, rows[:m])), (kernel, fmt, m)
+
+
 def test_one_factor_that_is_not_a_half_keeps_that_array_as_floats():
     """A single scale off the halves' grid (or out of their range) keeps the scales as floats; the minimums,
     all halves, are still kept as halves. The half-block formats keep floats."""

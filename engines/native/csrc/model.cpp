@@ -53,6 +53,14 @@ static void* aligned(size_t bytes) {
 
 // A projection's packed weights and factors, in an arena (arena.h): the model's, or one of its own (a product made
 // alone, spn_linear_new). Its arrays live as long as that arena.
+// Whether a decoder's weights (and a product alone's) are prefetched non-temporal (QWeight::stream), read when
+// they are loaded: yes unless SPECRT_NATIVE_STREAM=0 (a benchmark's comparison, the suite's bitwise check). A
+// drafter layer's weights never are: they are read again next step.
+static bool stream_weights() {
+  const char* env = std::getenv("SPECRT_NATIVE_STREAM");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
 struct OwnedWeight : QWeight {
   OwnedWeight() = default;
   OwnedWeight(const OwnedWeight&) = delete;
@@ -770,6 +778,7 @@ int spn_set_linear(void* h, int layer, int which, int format, int K, int N, cons
     g_error = "out of memory";
     return 1;
   }
+  w->stream = !m->feature && stream_weights();
   return 0;
 }
 
@@ -962,6 +971,7 @@ void* spn_linear_new(int format, int K, int N, const uint8_t* q, int64_t q_bytes
   try {
     std::unique_ptr<OwnedWeight> w = std::make_unique<OwnedWeight>();
     w->load(format, K, N, q, scales, mins, bias);
+    w->stream = stream_weights();
     return w.release();
   } catch (const std::bad_alloc&) {
     g_error = "out of memory";
@@ -971,10 +981,11 @@ void* spn_linear_new(int format, int K, int N, const uint8_t* q, int64_t q_bytes
 
 void spn_linear_free(void* h) { delete static_cast<OwnedWeight*>(h); }
 
-// How a product keeps its factors: bit 0 set when its scales are halves, bit 1 when its minimums are.
+// How a product keeps its factors: bit 0 set when its scales are halves, bit 1 when its minimums are; bit 2 when
+// its weights stream (QWeight::stream).
 int spn_linear_factors(void* h) {
   const OwnedWeight* w = static_cast<OwnedWeight*>(h);
-  return (w->half_scales ? 1 : 0) | (w->half_mins ? 2 : 0);
+  return (w->half_scales ? 1 : 0) | (w->half_mins ? 2 : 0) | (w->stream ? 4 : 0);
 }
 
 // x: M * K floats (x_len), y: M * N floats (y_len).

@@ -85,6 +85,15 @@ void gemm_scalar(const QWeight& w, const QAct& a, float* y, int ldy, int t0, int
 }
 
 #ifdef SPN_X86
+// Asks for a line of weights ahead of use: non-temporal where they stream (QWeight::stream), else into every
+// cache level.
+inline void prefetch_weights(const QWeight& w, const uint8_t* at) {
+  if (w.stream)
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_NTA);
+  else
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+}
+
 // Stores the 16 columns of a tile, the tail cut to N, the bias added after the block sum (as the reference).
 inline void store_tile(const QWeight& w, int t, const float* acc16, float* yrow) {
   int n0 = t * kTileN;
@@ -138,7 +147,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int4(const QWeight& w, c
   }
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
-      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+      prefetch_weights(w, wp + b * TB + 4096 + c * 64);
     __m256i pl[R], ph[R];
     for (int r = 0; r < R; ++r) pl[r] = ph[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -215,7 +224,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QWeight& w, c
   }
   for (int b = 0; b < w.blocks; ++b) {
     for (int c = 0; c < TB / 64; ++c)  // 4 KiB ahead, as tile_vnni
-      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+      prefetch_weights(w, wp + b * TB + 4096 + c * 64);
     const __m256 wsl = factors8(ws, b * kTileN), wsh = factors8(ws, b * kTileN + 8);
     // the groups of each half block (kQ8x16, kQ8x16Min) or of the whole block: every row's sums over them,
     // then each row's float step with that part's scales
@@ -298,7 +307,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
     // the weights stream once per pass: ask for the lines 4 KiB ahead (past the tile: the next tile's) while
     // this block's rows compute, so the products of several rows overlap the memory traffic
     for (int c = 0; c < TB / 64; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+      prefetch_weights(w, wp + b * TB + 4096 + c * 64);
     __m512i wv[8];
     if (is_int8(F)) {
       for (int g = 0; g < 8; ++g) wv[g] = _mm512_load_si512(wp + b * TB + g * 64);
@@ -481,7 +490,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma"))) void tile_am
     const int b = 4 * g, n = w.blocks - b < 4 ? w.blocks - b : 4;
     int32_t(*s)[R * kTileN] = sums[g & 1];
     for (int c = 0; c < 4 * TB / 64; ++c)  // the weights 4 KiB ahead, as tile_vnni
-      _mm_prefetch(reinterpret_cast<const char*>(wp + b * TB + 4096 + c * 64), _MM_HINT_T0);
+      prefetch_weights(w, wp + b * TB + 4096 + c * 64);
     SPN_TBLOCK(0, 4, 6, wbuf[g % 3][0], qa + b * kBlock, stride);
     if (n > 1) SPN_TBLOCK(1, 5, 7, wbuf[g % 3][1], qa + (b + 1) * kBlock, stride);
     if (n > 2) SPN_TBLOCK(2, 4, 6, wbuf[g % 3][2], qa + (b + 2) * kBlock, stride);

@@ -63,6 +63,10 @@ struct QWeight {
   // widens to the same float, so the products are bitwise the same; a pass streams 2 bytes a factor, not 4.
   uint16_t* half_scales = nullptr;
   uint16_t* half_mins = nullptr;
+  // The weights stream from memory once a pass (a decoder's, tens of MB): the kernels prefetch them
+  // non-temporal, so they do not evict from the caches what stays there between passes (a drafter layer's
+  // weights, read every step; the KV cache). A hint only: no result depends on it.
+  bool stream = false;
 };
 
 // IEEE binary16 to float, exactly (the scalar kernels' widening; vcvtph2ps gives the same).
