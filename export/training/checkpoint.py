@@ -26,8 +26,10 @@ STATE_SUFFIX = ".train-state"
 TENSORS, META = "state.safetensors", "state.json"
 VOCAB_KEYS = ("d2t", "head_vocab")  # the draft vocabulary: the new data's, never the warm start's
 # settings a resumed run must share with the run it continues (others, such as --max-minutes, may change)
-FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision", "loss_rows", "step_decay")
-FIXED_DEFAULTS = {"loss_rows": "all", "step_decay": 1.0}  # what a run saved before these settings existed used
+FIXED = ("kind", "batch_seqs", "lr", "steps", "seed", "draft_vocab", "options", "precision", "loss_rows", "step_decay",
+         "label_temperature")
+# what a run saved before these settings existed used
+FIXED_DEFAULTS = {"loss_rows": "all", "step_decay": 1.0, "label_temperature": 1.0}
 # config fields that shape the weights a warm start copies: a run takes the checkpoint's unless --set names them
 INHERITED = ("head_from_target",)
 HEAD_ROWS = "lm_head.weight"  # a stored head: one row per draft-vocabulary id (d2t)

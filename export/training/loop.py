@@ -55,6 +55,7 @@ class TrainSettings:
     checkpoint_minutes: float = 10.0  # save the drafter and the run this often
     loss_rows: str = "all"  # draft-step kinds: "answer" scores only the answer's rows (SpecForge's loss mask)
     step_decay: float = 1.0  # draft-step kinds: step s's loss weighs step_decay**(s-1) (SpecForge: 0.8)
+    label_temperature: float = 1.0  # the soft labels sharpened to p^(1/T) (objectives.sharpen); 1: as distilled
 
 
 def weigh_steps(objective, settings: TrainSettings) -> None:
@@ -65,6 +66,9 @@ def weigh_steps(objective, settings: TrainSettings) -> None:
         raise SpecrtError(f"--loss-rows {settings.loss_rows!r}: choose all or answer")
     if not 0 < settings.step_decay <= 1:
         raise SpecrtError(f"--step-decay {settings.step_decay}: choose a weight in (0, 1]")
+    if not 0 < settings.label_temperature <= 1:
+        raise SpecrtError(f"--label-temperature {settings.label_temperature}: choose a temperature in (0, 1] "
+                          "(1: the labels as distilled)")
     if (settings.loss_rows, settings.step_decay) == ("all", 1.0):
         return
     if not isinstance(objective, FeatureObjective):
@@ -201,7 +205,7 @@ def train(target, settings: TrainSettings, out: Path, data: DistillData, progres
                 run.order = [train_seqs[i] for i in torch.randperm(len(train_seqs), generator=rng).tolist()]
             seqs = run.order[: settings.batch_seqs]
             t_step = clock()
-            batch = Batch(data, seqs, label_index)
+            batch = Batch(data, seqs, label_index, settings.label_temperature)
             scale = lr_scale(run.step, total, clock() - t0, limit)
             for group in opt.param_groups:
                 group["lr"] = lr * scale

@@ -22,13 +22,27 @@ from specrt.export.modeling import rope_cos_sin
 from specrt.export.training.datagen import DistillData
 
 
+def sharpen(p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Soft labels p [..., k] at `temperature`: p^(1/T), renormalised to each row's own mass (a top-k list's,
+    before the label vocabulary drops any). T < 1 moves mass toward the target's argmax (T -> 0: its one-hot,
+    the label a greedy verify accepts), T = 1 leaves p as it is."""
+    if temperature == 1.0:
+        return p
+    mass = p.sum(-1, keepdim=True)
+    # in log space, from each row's largest entry: no power of a small p underflows to a row of zeros
+    logp = p.clamp(min=1e-30).log() / temperature
+    q = (logp - logp.amax(-1, keepdim=True)).exp().masked_fill(p <= 0, 0.0)
+    return q / q.sum(-1, keepdim=True).clamp(min=1e-30) * mass
+
+
 class Batch:
     """Right-padded sequences: tokens [B,T], hidden [B,T,H], aux, labels, `length` [B], `answer` [B,T].
     `hidden` is read from the store when an objective first asks for it: EAGLE-3's reads the tapped layers
     (aux) alone, and the final hidden states are a quarter of a store's feature bytes, which training
-    otherwise streams from disk once a store outgrows the page cache."""
+    otherwise streams from disk once a store outgrows the page cache. `label_temperature`: the soft labels
+    sharpened (`sharpen`) before the label vocabulary drops what it lacks."""
 
-    def __init__(self, data: DistillData, seqs: list[int], label_index: torch.Tensor):
+    def __init__(self, data: DistillData, seqs: list[int], label_index: torch.Tensor, label_temperature: float = 1.0):
         lens = [data.seq(i).stop - data.seq(i).start for i in seqs]
         self.T = max(lens)
         self.length = torch.tensor(lens)
@@ -38,7 +52,7 @@ class Batch:
         self.aux = pad("aux").float() if data.has_aux else None
         lab = label_index[pad("top_ids")]  # into the label vocabulary; -1: not in it
         self.label_top = lab[..., 0]
-        self.label_p = pad("top_p").float().masked_fill(lab < 0, 0.0)
+        self.label_p = sharpen(pad("top_p").float(), label_temperature).masked_fill(lab < 0, 0.0)
         self.label_ids = lab.clamp(min=0)
         pos = torch.arange(self.T)[None]
         self.valid = pos < self.length[:, None]

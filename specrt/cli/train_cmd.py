@@ -46,6 +46,9 @@ def _target_source(target: Path | None) -> Path:
                    "time; SpecForge's loss mask), not the prompts'.")
 @click.option("--step-decay", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True,
               help="eagle, eagle3, mtp: unrolled step s's loss weighs this to the power s-1 (SpecForge: 0.8).")
+@click.option("--label-temperature", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True,
+              help="The target's soft labels sharpened to p^(1/T) before the loss: below 1 moves their mass toward the "
+                   "target's argmax, the token a greedy verify accepts (1: the distribution as distilled).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="Peak learning rate.")
 @click.option("--batch", "batch_seqs", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sequences per optimizer step.")
@@ -76,7 +79,7 @@ def _target_source(target: Path | None) -> Path:
                    "run stops); the store may have grown since.")
 @click.option("--checkpoint-minutes", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Save the drafter, metrics.json and the run's state this often.")
-def command(kind, target, output, epochs, max_minutes, steps, loss_rows, step_decay, lr, batch_seqs, seed, prompts, max_prompts,
+def command(kind, target, output, epochs, max_minutes, steps, loss_rows, step_decay, label_temperature, lr, batch_seqs, seed, prompts, max_prompts,
             max_new_tokens, settings, store, precision, draft_vocab, save_dtype, init, resume, checkpoint_minutes):
     """Train a KIND drafter by self-distillation: the target answers a prompt corpus, its hidden states are
     cached once, and the drafter learns to predict the target's own next-token distributions."""
@@ -117,7 +120,8 @@ def command(kind, target, output, epochs, max_minutes, steps, loss_rows, step_de
                       batch_seqs=batch_seqs, lr=lr, steps=steps, seed=seed, max_new_tokens=max_new_tokens,
                       max_prompts=max_prompts, precision=precision, options=options, draft_vocab=draft_vocab,
                       save_dtype=save_dtype, init=str(init) if init else None, resume=resume,
-                      checkpoint_minutes=checkpoint_minutes, loss_rows=loss_rows, step_decay=step_decay)
+                      checkpoint_minutes=checkpoint_minutes, loss_rows=loss_rows, step_decay=step_decay,
+                      label_temperature=label_temperature)
     stop_on_sigterm()  # a stopped run saves its state (--resume goes on)
     if data is not None:
         from specrt.export.training.loop import train
