@@ -146,6 +146,23 @@ def test_the_product_is_the_float_product_within_int8_rounding(kernel, fmt, rows
     assert np.array_equal(got, lin("scalar", x))
 
 
+SOME_ROWS = (1, 2, 3, 4, 8, 9, 16, 17, 32)
+
+
+def default_and_off(monkeypatch, variable: str, fmt: str, seed: int) -> tuple[Linear, Linear]:
+    """The same random weights loaded with the library's default and with `variable`=0."""
+    default = Linear(576, 200, seed=seed, bias=True, fmt=fmt)
+    monkeypatch.setenv(variable, "0")
+    off = Linear(576, 200, seed=seed, bias=True, fmt=fmt)
+    monkeypatch.delenv(variable)
+    return default, off
+
+
+def same_at_every_row_count(kernel: str, rows, a: Linear, b: Linear, fmt: str) -> None:
+    for m in SOME_ROWS:
+        assert np.array_equal(a(kernel, rows[:m]), b(kernel, rows[:m])), (kernel, fmt, m)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_factors_kept_as_halves_give_bitwise_what_floats_give(kernel, rows, monkeypatch):
     """Weights whose scales and minimums are all halves keep them as halves (half the factor bytes a pass
@@ -153,15 +170,11 @@ def test_factors_kept_as_halves_give_bitwise_what_floats_give(kernel, rows, monk
     (SPECRT_NATIVE_HALF_FACTORS=0) at every row count."""
     needs(kernel)
     for fmt in HALVES:
-        kept = Linear(576, 200, seed=6, bias=True, fmt=fmt)
-        monkeypatch.setenv("SPECRT_NATIVE_HALF_FACTORS", "0")
-        floats = Linear(576, 200, seed=6, bias=True, fmt=fmt)
-        monkeypatch.delenv("SPECRT_NATIVE_HALF_FACTORS")
+        kept, floats = default_and_off(monkeypatch, "SPECRT_NATIVE_HALF_FACTORS", fmt, seed=6)
         mins = "half" if kept.mins is not None else "float"
         assert calls.linear_factors(kept.lib, kept.h) == {"scales": "half", "mins": mins}, fmt
         assert calls.linear_factors(floats.lib, floats.h) == {"scales": "float", "mins": "float"}, fmt
-        for m in (1, 2, 3, 4, 8, 9, 16, 17, 32):
-            assert np.array_equal(kept(kernel, rows[:m]), floats(kernel, rows[:m])), (kernel, fmt, m)
+        same_at_every_row_count(kernel, rows, kept, floats, fmt)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -170,13 +183,9 @@ def test_weights_prefetched_non_temporal_give_bitwise_what_cached_ones_give(kern
     prefetches them into every cache level. A hint: each kernel's outputs are bitwise the same either way."""
     needs(kernel)
     for fmt in FORMATS:
-        streamed = Linear(576, 200, seed=8, bias=True, fmt=fmt)
-        monkeypatch.setenv("SPECRT_NATIVE_STREAM", "0")
-        cached = Linear(576, 200, seed=8, bias=True, fmt=fmt)
-        monkeypatch.delenv("SPECRT_NATIVE_STREAM")
+        streamed, cached = default_and_off(monkeypatch, "SPECRT_NATIVE_STREAM", fmt, seed=8)
         assert calls.linear_streams(streamed.lib, streamed.h) and not calls.linear_streams(cached.lib, cached.h)
-        for m in (1, 2, 3, 4, 8, 9, 16, 17, 32):
-            assert np.array_equal(streamed(kernel, rows[:m]), cached(kernel, rows[:m])), (kernel, fmt, m)
+        same_at_every_row_count(kernel, rows, streamed, cached, fmt)
 
 
 def test_one_factor_that_is_not_a_half_keeps_that_array_as_floats():
