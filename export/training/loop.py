@@ -59,7 +59,8 @@ class TrainSettings:
 
 
 def weigh_steps(objective, settings: TrainSettings) -> None:
-    """Give a draft-step objective the rows and step weights its loss takes; refuse them for another."""
+    """Give a draft-step objective the rows and step weights its loss takes; refuse them for another. Also
+    checks the label temperature, which every kind takes (Batch applies it)."""
     from specrt.export.training.objectives import FeatureObjective
 
     if settings.loss_rows not in ("all", "answer"):

@@ -256,7 +256,7 @@ class Suffix(Drafter):
 
     # ── drafting ────────────────────────────────────────────────────────────────────────────
     def propose(self, tokens, max_nodes, max_depth, sampling, rng) -> Proposal:
-        return self.scored(tokens, max_nodes, max_depth)[0]
+        return self.scored_nodes(tokens, max_nodes, max_depth)[0]
 
     def scored(self, tokens: list[int], max_nodes: int, max_depth: int) -> tuple[Proposal, float]:
         """The draft `propose` gives and its score: the tokens it expects accepted, were the counts the truth
