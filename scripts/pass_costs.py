@@ -2,8 +2,9 @@
 
     python scripts/pass_costs.py prefill BUNDLE --tokens 2000      a prompt's prefill (in the runtime's
                                                                    chunks), seconds and peak RSS
-    python scripts/pass_costs.py verify BUNDLE --context 200       verify(k) for k = 1, 2, 4, 8, 16: the
-                                                                   median ms of one k-row pass
+    python scripts/pass_costs.py verify BUNDLE --context 200       verify(k) for k = 1, 2, 4, ..., 32, in
+                                                                   interleaved rounds: median ms, and the
+                                                                   median ratio to the round's 1-row pass
     python scripts/pass_costs.py batch BUNDLE --users 16 --contexts 128,512,900 --kv-dtype fp16
                                                                    one decode pass over N sequences (a row
                                                                    each) at each context: the median ms
@@ -53,25 +54,31 @@ def prefill(bundle: str, tokens: int, threads: int, backend: str = "ort") -> dic
             "exec_mode": gen.exactness.mode.name, **_branch(gen)}
 
 
-def verify(bundle: str, context: int, threads: int, repeats: int = 20, backend: str = "ort") -> dict:
+def verify(bundle: str, context: int, threads: int, rounds: int = 40, backend: str = "ort",
+           ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), kv_dtype: str = "auto") -> dict:
+    """verify(k): each round runs one pass of every k, in an order rotated round by round, so a VM whose speed
+    drifts moves every k alike. verify_ms: the median ms of each k's passes; ratio_to_1: the median over rounds of
+    k's pass over the same round's one-row pass (the figure issue 44 bounds)."""
     from specrt.runtime.generate import Generator
 
-    gen = Generator(bundle, "plain", max_seq_len=context + 64, threads=threads, backend=backend)
+    gen = Generator(bundle, "plain", max_seq_len=context + 64, threads=threads, backend=backend, kv_dtype=kv_dtype)
     rng = np.random.default_rng(0)
     vocab = gen.manifest.target.config.vocab_size
     gen.forward(rng.integers(0, vocab, context).tolist(), 0, rows=[context - 1])
-    ms = {}
-    for k in (1, 2, 4, 8, 16, 32):
-        times = []
-        for _ in range(repeats):
+    for k in ks:  # warm-up: every shape once
+        gen.forward(rng.integers(0, vocab, k).tolist(), context)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for r in range(rounds):
+        for k in ks[r % len(ks):] + ks[:r % len(ks)]:
             window = rng.integers(0, vocab, k).tolist()
             t0 = time.perf_counter()
             gen.forward(window, context)
-            times.append(time.perf_counter() - t0)
-        ms[k] = round(1e3 * float(np.median(times)), 2)
-    return {"engine": "specrt", "context": context, "verify_ms": ms,
-            "ratio_to_1": {k: round(v / ms[1], 2) for k, v in ms.items()}, "exec_mode": gen.exactness.mode.name,
-            **_branch(gen)}
+            times[k].append(time.perf_counter() - t0)
+    ms = {k: round(1e3 * float(np.median(v)), 2) for k, v in times.items()}
+    base = np.asarray(times[ks[0]])
+    ratio = {k: round(float(np.median(np.asarray(v) / base)), 3) for k, v in times.items()}
+    return {"engine": "specrt", "context": context, "rounds": rounds, "verify_ms": ms,
+            f"ratio_to_{ks[0]}": ratio, "exec_mode": gen.exactness.mode.name, **_branch(gen)}
 
 
 def batch(bundle: str, users: int, contexts: list[int], threads: int, kv_dtype: str, repeats: int = 15) -> dict:
@@ -128,14 +135,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="ort", help="the target's backend (engines/registry.py)")
+    ap.add_argument("--rounds", type=int, default=40, help="verify: rounds of one pass of every k")
+    ap.add_argument("--ks", default="1,2,4,8,16,32", help="verify: the row counts, the first the ratios' base")
     ap.add_argument("--users", type=int, default=16, help="batch: the sequences in the pass")
     ap.add_argument("--contexts", default="16,128,256,512,900", help="batch: the cache rows each sequence has")
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"], help="batch: the cache")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"], help="verify, batch: the cache")
     a = ap.parse_args()
     if a.what == "prefill":
         out = prefill(a.path, a.tokens, a.threads, a.backend)
     elif a.what == "verify":
-        out = verify(a.path, a.context, a.threads, backend=a.backend)
+        ks = tuple(int(k) for k in a.ks.split(","))
+        if not ks or min(ks) < 1:
+            ap.error(f"--ks {a.ks!r}: give row counts of 1 or more, e.g. 1,2,4")
+        out = verify(a.path, a.context, a.threads, a.rounds, a.backend, ks, a.kv_dtype)
     elif a.what == "batch":
         out = batch(a.path, a.users, [int(c) for c in a.contexts.split(",")], a.threads, a.kv_dtype)
     else:
