@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.engines.registry import backend_entry
+from specrt.errors import SpecrtError
 from specrt.runtime.adaptive import AdaptiveDepth
 from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
-from specrt.runtime.sequence import Pass, Sequence
+from specrt.runtime.sequence import PREFILL_CHUNK, Pass, Sequence
 from specrt.runtime.stats import Result
 from specrt.runtime.target import WINDOW_MARGIN
 from specrt.runtime.tree import Tree
@@ -157,11 +158,15 @@ class SchedulerCore:
     """The step's decisions over `n_slots` of `gen`'s KV slots (its drafter settings are the server's)."""
 
     def __init__(self, gen: Generator, n_slots: int, mix_chunks: bool | None = None,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, prefill_chunk: int = PREFILL_CHUNK):
         """`mix_chunks`: a prompt chunk rides in the decode pass (default: where the target runs ragged
         passes, which need no padding rows for it: native); else it runs as a pass of its own. `prefix`:
-        the KV rows of earlier prompts and answers, reused by the requests that start with them (None: none)."""
-        self.gen, self.prefix = gen, prefix
+        the KV rows of earlier prompts and answers, reused by the requests that start with them (None: none).
+        `prefill_chunk`: the prompt rows a step runs (`specrt serve --prefill-chunk`): what a long prompt
+        delays the running streams by, a step at a time."""
+        if int(prefill_chunk) < 1:
+            raise SpecrtError(f"--prefill-chunk {prefill_chunk}: a step runs at least one prompt row; give 1 or more")
+        self.gen, self.prefix, self.prefill_chunk = gen, prefix, int(prefill_chunk)
         self.mix_chunks = gen.model.ragged if mix_chunks is None else mix_chunks
         self.slots = [self._new_slot(i) for i in range(n_slots)]
         self.batch_windows = backend_entry(gen.backend).batch_windows
@@ -238,7 +243,8 @@ class SchedulerCore:
         except Exception as e:  # this request fails; the others go on
             events.append(self._fail(slot, e))
             return
-        slot.prefill, slot.prefill_seconds, slot.ready = deque(slot.seq.prefill_passes()), 0.0, False
+        slot.prefill, slot.prefill_seconds = deque(slot.seq.prefill_passes(self.prefill_chunk)), 0.0
+        slot.ready = False
         slot.looked_up = False
         slot.window_rows, slot.sent_logprobs = self.gen.max_depth + 1, 0
         slot.order, self._admitted = self._admitted, self._admitted + 1
@@ -270,7 +276,7 @@ class SchedulerCore:
         if not slot.looked_up:  # at its first chunk, not at admission: a burst of requests admitted together
             slot.looked_up = True  # finds what the first of them cached in the steps before
             if cached := self._reuse(slot):
-                slot.prefill = deque(slot.seq.prefill_passes(start=cached))
+                slot.prefill = deque(slot.seq.prefill_passes(self.prefill_chunk, start=cached))
         p = slot.prefill.popleft()
         return BatchPass(slot.index, [p], [slot.index], slot.index, final=not slot.prefill)
 

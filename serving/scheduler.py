@@ -25,7 +25,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.sequence import check_prompt
+from specrt.runtime.sequence import PREFILL_CHUNK, check_prompt
 from specrt.serving.core import BatchPass, Delivered, Ended, Event, PassOutput, SchedulerCore, StepPlan
 from specrt.serving.handle import Handle
 from specrt.serving.metrics import Metrics
@@ -46,10 +46,12 @@ class Scheduler:
     measured alike."""
 
     def __init__(self, gen: Generator, max_waiting: int = 64, metrics: Metrics | None = None,
-                 max_slots: int | None = None, runner: Runner | None = None, prefix_cache_mb: int = 0):
+                 max_slots: int | None = None, runner: Runner | None = None, prefix_cache_mb: int = 0,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """`max_slots`: use only that many of the generator's KV slots (batch-1 serving: 1); `runner`: what
         runs a planned pass (default: the generator's `TargetModel.run_batch`); `prefix_cache_mb`: the
-        prefix cache's size (serving/prefix_cache.py; 0: none)."""
+        prefix cache's size (serving/prefix_cache.py; 0: none); `prefill_chunk`: the prompt rows a step runs
+        (SchedulerCore)."""
         if gen.slots < 1:
             raise SpecrtError("the scheduler needs at least one KV slot")
         self.gen, self.max_waiting, self.clock = gen, max_waiting, gen.clock
@@ -60,7 +62,8 @@ class Scheduler:
             raise SpecrtError(f"--prefix-cache-mb {prefix_cache_mb}: the {gen.backend} backend's KV cache is not in "
                               "host memory, so its rows cannot be copied: use --prefix-cache-mb 0 there")
         prefix = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
-        self.core = SchedulerCore(gen, min(gen.slots, max_slots or gen.slots), prefix=prefix)
+        self.core = SchedulerCore(gen, min(gen.slots, max_slots or gen.slots), prefix=prefix,
+                                  prefill_chunk=prefill_chunk)
         self.prefaulted = gen.model.prefault()  # the KV pages now, not in the first requests' passes
         self.runner: Runner = runner or (lambda bp: gen.model.run_batch(bp.windows, bp.start))
         self.waiting: deque[Handle] = deque()

@@ -47,9 +47,11 @@ from specrt.tools.serve_bench import SERVERS, write_json
               help="With --peer or --process: `specrt serve --prefix-cache-mb` (default: serve's). The reference and "
                    "every level send the same prompts, so with a cache each level after the first finds them "
                    "whole: 0 measures traffic of distinct prompts (or see scripts/serve_steps.py).")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="With --peer or --process: `specrt serve --prefill-chunk` (default: serve's).")
 @runtime_options
 def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixed, slots, peer, process, prompts_spec,
-            rate, long_tokens, prefix_cache_mb, **runtime):
+            rate, long_tokens, prefix_cache_mb, prefill_chunk, **runtime):
     """Serve BUNDLE on loopback and measure tokens/s and latency at each concurrency, batched verify passes
     (slots = concurrency) beside batch-1 serving of the same greedy chat requests, in one run; or, with
     --mixed, a mixed load held to plain decoding; or, with --peer, specrt's server against another's."""
@@ -67,13 +69,15 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
         raise click.UsageError("--rate needs --peer or --process (a server in its own process)")
     if long_tokens is not None and not (peer or process):
         raise click.UsageError("--long-prompt needs --peer or --process (a server in its own process)")
-    if prefix_cache_mb is not None and not (peer or process):
-        raise click.UsageError("--prefix-cache-mb needs --peer or --process (a server in its own process)")
+    for flag, value in (("--prefix-cache-mb", prefix_cache_mb), ("--prefill-chunk", prefill_chunk)):
+        if value is not None and not (peer or process):
+            raise click.UsageError(f"{flag} needs --peer or --process (a server in its own process)")
     prompts = [p.prompt for p in prompt_set(prompts_spec, None)]
     if not prompts:
         raise click.BadParameter(f"{prompts_spec}: no prompts in it", param_hint="--prompts")
     if peer or process:
         serve_flags = [] if prefix_cache_mb is None else ["--prefix-cache-mb", str(prefix_cache_mb)]
+        serve_flags += [] if prefill_chunk is None else ["--prefill-chunk", str(prefill_chunk)]
         return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
                      levels, json_out, runtime, rate, long_tokens, serve_flags)
     if mixed:

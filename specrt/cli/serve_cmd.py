@@ -21,6 +21,11 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
                    "start with the same tokens (a shared system prompt, the next turn of a chat); output is "
                    "unchanged. 0: off. Default: 256 where the backend keeps its KV cache in host memory (native, "
                    "ort), else off.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="Prompt rows a step runs (chunked prefill): the oldest prompt still prefilling takes this many "
+                   "rows beside the decoding sequences' rows, so a long prompt delays the running streams by one "
+                   "such chunk a step; larger prefills a prompt in fewer steps. Output is unchanged. Default: "
+                   "the scheduler's (runtime/sequence.py PREFILL_CHUNK, 64).")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests queued for a slot; beyond that the server answers 503.")
 @click.option("--model-name", default=None, help="The `model` clients name (default: the bundle folder's name).")
@@ -41,7 +46,7 @@ from specrt.cli.options import bundle_argument, make_generator, resolve_bundle, 
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @runtime_options
-def command(bundle, host, port, drafter, slots, prefix_cache_mb, max_waiting, model_name, default_max_tokens, api_key, allowed_hosts,
+def command(bundle, host, port, drafter, slots, prefix_cache_mb, prefill_chunk, max_waiting, model_name, default_max_tokens, api_key, allowed_hosts,
             max_body_bytes, read_timeout, max_connections, log_level, **runtime):
     """Serve BUNDLE over HTTP: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
     /health and /metrics (Prometheus)."""
@@ -62,7 +67,8 @@ def command(bundle, host, port, drafter, slots, prefix_cache_mb, max_waiting, mo
     path = resolve_bundle(bundle)
     gen = make_generator(path, drafter, slots=slots, **runtime)
     prefix_mb = cache_mb(prefix_cache_mb, gen.model.host_kv)
-    scheduler = Scheduler(gen, max_waiting=max_waiting, prefix_cache_mb=prefix_mb)
+    chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    scheduler = Scheduler(gen, max_waiting=max_waiting, prefix_cache_mb=prefix_mb, **chunk)
     name = model_name or path.name
     app = create_app(scheduler, name, default_max_tokens, limits)
     for note in gen.notes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.runtime import sequence
+from specrt.errors import SpecrtError
 from specrt.runtime.batch import BatchOutputs
 from specrt.runtime.generate import Generator
 from specrt.runtime.sampling import SamplingParams
@@ -18,6 +18,12 @@ from specrt.serving.handle import Handle
 @pytest.fixture()
 def core(tiny_bundle):
     return SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3)
+
+
+@pytest.fixture()
+def core4(tiny_bundle):
+    """A core whose steps run prompts in chunks of 4 rows (the tiny model's context is 64)."""
+    return SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3, prefill_chunk=4)
 
 
 def request(prompt: list[int], max_new_tokens: int) -> Handle:
@@ -60,9 +66,9 @@ def test_prompts_prefill_oldest_first_and_decode_from_the_next_step(core):
     assert list(core.batch_sizes) == [1, 2]
 
 
-def test_where_passes_are_ragged_a_prompt_chunk_rides_in_the_decode_pass(tiny_bundle, monkeypatch):
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
-    core = SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3, mix_chunks=True)
+def test_where_passes_are_ragged_a_prompt_chunk_rides_in_the_decode_pass(tiny_bundle):
+    core = SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3, mix_chunks=True,
+                         prefill_chunk=4)
     a, b = request([5, 6, 7], 8), request(list(range(30, 39)), 4)
     plan = core.plan([a])
     core.apply(plan, outputs(core, plan, {0: 11}))
@@ -93,8 +99,8 @@ def test_a_request_ends_with_its_scripted_tokens_and_frees_its_slot(core):
     assert ended[0].result.token_ids == [11, 12, 13] and core.running == 0 and plan.passes == []
 
 
-def test_a_long_prompt_takes_one_chunk_a_step_while_the_others_decode(core, monkeypatch):
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
+def test_a_long_prompt_takes_one_chunk_a_step_while_the_others_decode(core4):
+    core = core4
     a, b, c = request([5, 6], 20), request(list(range(30, 41)), 2), request([7, 8], 20)
     plan = core.plan([a, b, c])
     steps = []
@@ -108,8 +114,8 @@ def test_a_long_prompt_takes_one_chunk_a_step_while_the_others_decode(core, monk
     assert [s[0] for s in steps[2:]] == [("prefill", [1])] * 2
 
 
-def test_a_slot_between_chunks_gets_a_dummy_row_where_its_next_chunk_starts(core, monkeypatch):
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
+def test_a_slot_between_chunks_gets_a_dummy_row_where_its_next_chunk_starts(core4):
+    core = core4
     a, x, c = (request([5, 6], 20) for _ in range(3))
     plan = core.plan([a, x, c])
     for _ in range(3):  # a prompt a step: all three decode from the fourth
@@ -165,3 +171,22 @@ def test_a_request_cancelled_before_admission_never_takes_a_slot(core):
     plan = core.plan([a])
     assert [(e.handle, e.reason, e.result) for e in plan.events] == [(a, "cancelled", None)]
     assert core.running == 0 and plan.passes == []
+
+
+@pytest.mark.parametrize("chunk, sizes", [(4, [4, 4, 3]), (6, [6, 5]), (11, [11]), (64, [11])])
+def test_the_prefill_chunk_sets_the_rows_each_step_runs_of_a_prompt(tiny_bundle, chunk, sizes):
+    core = SchedulerCore(Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=3), 3, prefill_chunk=chunk)
+    b = request(list(range(30, 41)), 2)  # 11 prompt rows
+    plan, ran = core.plan([b]), []
+    while plan.passes and plan.passes[0].kind == "prefill":
+        ran.append(len(plan.passes[0].windows[0].window))
+        core.apply(plan, outputs(core, plan, {0: 7}))
+        plan = core.plan()
+    assert ran == sizes
+    assert plan.passes[0].kind == "decode"  # its first token came with the last chunk
+
+
+def test_a_prefill_chunk_of_no_rows_is_refused(tiny_bundle):
+    gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
+    with pytest.raises(SpecrtError, match=r"--prefill-chunk 0: a step runs at least one prompt row"):
+        SchedulerCore(gen, 1, prefill_chunk=0)

@@ -27,10 +27,10 @@ def _drain(scheduler) -> None:
         scheduler.step()
 
 
-def test_a_long_prompt_interleaves_with_decoding_and_stays_exact(tiny_bundle, tiny_reference, monkeypatch):
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)  # the tiny model's context is 64: 8-row chunks
+def test_a_long_prompt_interleaves_with_decoding_and_stays_exact(tiny_bundle, tiny_reference):
     gen, log = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=2), []
-    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log))
+    # the tiny model's context is 64: 8-row chunks
+    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log), prefill_chunk=8)
     short = gen.tokenizer.encode_prompt("red, green,", raw=True)
     long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
     assert len(short) <= 8 < 3 * 8 < len(long)
@@ -46,12 +46,11 @@ def test_a_long_prompt_interleaves_with_decoding_and_stays_exact(tiny_bundle, ti
     assert b.wait().token_ids == tiny_reference.generate_ids(long, 8).token_ids
 
 
-def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, tiny_reference, monkeypatch):
+def test_a_slot_prefilling_between_decoding_slots_keeps_its_cache(tiny_bundle, tiny_reference):
     """Slots 0 and 2 decode while slot 1 prefills chunk by chunk: the batched decode passes span slot 1
     and must not write into the rows its earlier chunks filled."""
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)
     gen, log = Generator(tiny_bundle, drafter="ngram", max_seq_len=64, slots=3), []
-    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log))
+    scheduler = Scheduler(gen, max_waiting=4, runner=_traced(gen, log), prefill_chunk=8)
     short = gen.tokenizer.encode_prompt("red, green,", raw=True)
     long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
     a, x, c = (scheduler.submit(short, 45) for _ in range(3))  # slots 0, 1, 2
@@ -106,10 +105,9 @@ def test_max_waiting_holds_under_a_burst(tiny_bundle):
     assert scheduler.metrics.rejected._value.get() == 27 + 5 + 4
 
 
-def test_cancelled_while_prefilling_frees_the_slot(tiny_bundle, tiny_reference, monkeypatch):
-    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 4)
+def test_cancelled_while_prefilling_frees_the_slot(tiny_bundle, tiny_reference):
     gen = Generator(tiny_bundle, drafter="plain", max_seq_len=64, slots=1)
-    scheduler = Scheduler(gen, max_waiting=1)
+    scheduler = Scheduler(gen, max_waiting=1, prefill_chunk=4)
     long = gen.tokenizer.encode_prompt(PROMPT, raw=True)
     h = scheduler.submit(long, 8)
     scheduler.step()

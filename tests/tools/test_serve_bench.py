@@ -226,7 +226,7 @@ def test_bench_serve_passes_given_runtime_options_on_to_specrt_serve():
     assert flags == ["--threads", "2", "--max-seq-len", "512", "--fixed-depth"]  # defaults left out, threads kept
 
 
-@pytest.mark.parametrize("flag", ["--rate", "--long-prompt"])
+@pytest.mark.parametrize("flag", ["--rate", "--long-prompt", "--prefix-cache-mb", "--prefill-chunk"])
 def test_bench_serve_refuses_a_process_option_without_a_server_process(tmp_path, flag):
     from click.testing import CliRunner
 
@@ -234,6 +234,19 @@ def test_bench_serve_refuses_a_process_option_without_a_server_process(tmp_path,
 
     result = CliRunner().invoke(command, [str(tmp_path), flag, "2"])
     assert result.exit_code == 2 and f"{flag} needs --peer or --process" in result.output
+
+
+def test_bench_serve_hands_its_server_options_to_specrt_serve(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from specrt.cli import bench_serve_cmd
+
+    seen = []
+    monkeypatch.setattr(bench_serve_cmd, "_peer", lambda *args, **kw: seen.append(args[-1]))
+    args = [str(tmp_path), "--process", "--prefix-cache-mb", "0", "--prefill-chunk", "16"]
+    result = CliRunner().invoke(bench_serve_cmd.command, args)
+    assert result.exit_code == 0, result.output
+    assert seen == [["--prefix-cache-mb", "0", "--prefill-chunk", "16"]]
 
 
 def test_a_long_prompt_is_the_loads_own_text_and_queues_behind_the_first_users():
