@@ -165,7 +165,7 @@ class Sequence:
         logits. A chunk's rows are computed as a whole-prompt pass computes them (the same rows as a verify
         chain), so chunking changes no bit where the target's passes are exact, and it keeps a long
         prompt's attention scores at chunk × context instead of context²."""
-        size = chunk or PREFILL_CHUNK  # read when called: tests set the module's constants
+        size = chunk or PREFILL_CHUNK
         if not 0 <= start < len(self.tokens):
             raise SpecrtError(f"internal: prefill from row {start} of a {len(self.tokens)}-token prompt")
         tokens = np.asarray(self.tokens, np.int64)

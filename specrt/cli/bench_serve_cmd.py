@@ -65,19 +65,15 @@ def command(bundle, concurrency, n_requests, max_tokens, drafter, json_out, mixe
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         raise click.BadParameter(f"{concurrency!r}: give positive integers such as 1,4,8", param_hint="--concurrency")
-    if rate is not None and not (peer or process):
-        raise click.UsageError("--rate needs --peer or --process (a server in its own process)")
-    if long_tokens is not None and not (peer or process):
-        raise click.UsageError("--long-prompt needs --peer or --process (a server in its own process)")
-    for flag, value in (("--prefix-cache-mb", prefix_cache_mb), ("--prefill-chunk", prefill_chunk)):
+    served = {"--prefix-cache-mb": prefix_cache_mb, "--prefill-chunk": prefill_chunk}  # `specrt serve`'s own
+    for flag, value in {"--rate": rate, "--long-prompt": long_tokens, **served}.items():
         if value is not None and not (peer or process):
             raise click.UsageError(f"{flag} needs --peer or --process (a server in its own process)")
     prompts = [p.prompt for p in prompt_set(prompts_spec, None)]
     if not prompts:
         raise click.BadParameter(f"{prompts_spec}: no prompts in it", param_hint="--prompts")
     if peer or process:
-        serve_flags = [] if prefix_cache_mb is None else ["--prefix-cache-mb", str(prefix_cache_mb)]
-        serve_flags += [] if prefill_chunk is None else ["--prefill-chunk", str(prefill_chunk)]
+        serve_flags = [arg for flag, value in served.items() if value is not None for arg in (flag, str(value))]
         return _peer(bundle, peer, drafter, [prompts[i % len(prompts)] for i in range(n_requests)], max_tokens,
                      levels, json_out, runtime, rate, long_tokens, serve_flags)
     if mixed:

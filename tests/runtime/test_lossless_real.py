@@ -71,10 +71,9 @@ def test_tree_branch_logits_are_bitwise_equal_to_a_chain(real_generator):
     assert np.array_equal(tree_logits[[0, 2, 3]], chain_logits), np.abs(tree_logits[[0, 2, 3]] - chain_logits).max()
 
 
-def test_chunked_prefill_is_bitwise_equal_to_one_pass(real_generator, monkeypatch):
+def test_chunked_prefill_is_bitwise_equal_to_one_pass(real_generator):
     """A long prompt is prefilled in chunks (runtime/sequence.py): the first token's logits and every KV
     row equal a one-pass prefill of the same prompt, bit for bit, in this machine's execution mode."""
-    from specrt.runtime import sequence
     from specrt.runtime.generate import Generator
 
     gen = real_generator
@@ -82,9 +81,8 @@ def test_chunked_prefill_is_bitwise_equal_to_one_pass(real_generator, monkeypatc
     prompt = gen.tokenizer.encode_prompt(text)[:300]
     runs = []
     for chunk in (len(prompt), 128, 97):  # one pass; chunks of 128 (last 44); odd chunks (last 9)
-        monkeypatch.setattr(sequence, "PREFILL_CHUNK", chunk)
         g = Generator(gen.bundle, max_seq_len=512, threads=gen.threads)
-        passes = g.sequence(prompt, 1).prefill_passes()
+        passes = g.sequence(prompt, 1).prefill_passes(chunk)
         for p in passes:
             outs = g.run_pass(p)
         runs.append(([len(p.window) for p in passes], outs["logits"][0],
